@@ -18,10 +18,11 @@ class ConfigError(ImgloraError):
 
     exit_code = 2
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], source: str = ""):
         self.problems = list(problems)
         n = len(self.problems)
-        head = f"{n} problem{'s' if n != 1 else ''} in the configuration:"
+        where = f" {source}" if source else ""
+        head = f"{n} problem{'s' if n != 1 else ''} in the configuration{where}:"
         super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
 
 

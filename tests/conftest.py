@@ -1,0 +1,44 @@
+"""Test setup: offline, tiny models in a per-session folder, GPU tests skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Set before anything imports huggingface_hub: tests never touch the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models are generated once per test session into this folder (IMGLORA_HOME may be set by CI
+# to share them between runs; they are rebuilt whenever their generator version changes).
+os.environ.setdefault("IMGLORA_HOME", str(Path(tempfile.gettempdir()) / "imglora-test-home"))
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing entirely: every gpu test is skipped below
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def sample_dataset() -> Path:
+    return REPO / "sample_datasets" / "sks_toy"
