@@ -462,6 +462,8 @@ def _cross_checks(cfg: Config, where, problems: list[str]) -> None:
     if m.blocks_to_swap and (m.double_blocks_to_swap >= 0 or m.single_blocks_to_swap >= 0):
         problems.append(f"{where('memory.blocks_to_swap')}: give either blocks_to_swap or "
                         "double_blocks_to_swap/single_blocks_to_swap, not both")
+    if d.bucket_step > d.resolution:
+        problems.append(f"{where('data.bucket_step')}: {d.bucket_step} is larger than data.resolution = {d.resolution}")
     if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -22,13 +21,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import __version__, atomic
+from .tiny import imglora_home
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt")
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "optimum-quanto", "safetensors")
-
-
-def imglora_home() -> Path:
-    return Path(os.environ.get("IMGLORA_HOME") or Path.home() / ".cache" / "imglora")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -1,0 +1,1 @@
+"""Image datasets: reading images safely, aspect-ratio buckets, scanning a dataset folder."""

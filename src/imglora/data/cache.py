@@ -1,0 +1,344 @@
+"""Content-addressed cache of VAE latents and text-encoder outputs.
+
+Each entry is one safetensors file named by the sha256 of everything that determines its content:
+- latents: the image's bytes, its bucket, the crop (mode and, for random crops, the seed that
+  fixes the offset), the flip, the VAE's identity (checksum of its weights and config) and dtype;
+- text: the exact caption, the text encoders' and tokenizers' identity, the token length, dtype.
+Change any of these and the key changes, so a stale entry can never be found, let alone used.
+Entries carry a checksum of their tensors in the header; a corrupt entry is detected on read
+and re-encoded. Writes go to a temporary name and are renamed into place.
+
+``fill_cache`` encodes only what is missing and loads an encoder only when something is missing,
+so a second run over unchanged data loads no model and encodes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import atomic, record
+from ..errors import ImgloraError
+from .buckets import fit_to_bucket
+from .dataset import DatasetItem, ScanResult, scan_dataset
+from .images import file_sha256, open_image
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import Config
+    from ..families import Family
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the meaning of an entry changes; old entries are then never matched
+
+
+class CorruptEntry(ImgloraError):
+    pass
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """One latent entry: an image fitted to its bucket, maybe flipped."""
+
+    item: DatasetItem
+    image_sha256: str
+    flip: bool
+    crop_seed: int
+    key: str
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    caption: str
+    key: str
+
+
+@dataclass
+class CachePlan:
+    scan: ScanResult
+    latents: list[LatentSpec]
+    texts: dict[str, TextSpec]  # caption -> spec
+    encoder_dtype: str
+    text_max_length: int
+    identities: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class FillStats:
+    latents_encoded: int = 0
+    latents_reused: int = 0
+    texts_encoded: int = 0
+    texts_reused: int = 0
+    seconds: float = 0.0
+    loaded_vae: bool = False
+    loaded_text_encoders: bool = False
+
+
+def _key(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **fields}, sort_keys=True).encode()).hexdigest()
+
+
+def resolve_encoder_dtype(name: str, device: "torch.device | str") -> str:
+    if name != "auto":
+        return name
+    return "bf16" if str(device).startswith("cuda") else "fp32"
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+class Cache:
+    """Entries under ``root/<kind>/<key[:2]>/<key>.safetensors``."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path(self, kind: str, key: str) -> Path:
+        return self.root / kind / key[:2] / f"{key}.safetensors"
+
+    def has(self, kind: str, key: str) -> bool:
+        return self.path(kind, key).is_file()
+
+    def put(self, kind: str, key: str, tensors: dict[str, "torch.Tensor"]) -> None:
+        atomic.save_safetensors(self.path(kind, key), tensors, metadata={"checksum": _checksum(tensors)})
+
+    def drop(self, kind: str, key: str) -> None:
+        self.path(kind, key).unlink(missing_ok=True)
+
+    def get(self, kind: str, key: str) -> dict[str, "torch.Tensor"]:
+        from safetensors import SafetensorError, safe_open
+
+        path = self.path(kind, key)
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                expected = (fh.metadata() or {}).get("checksum")
+                tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptEntry(f"cache entry {path} cannot be read ({exc}); it will be re-encoded") from None
+        if expected != _checksum(tensors):
+            raise CorruptEntry(f"cache entry {path} does not match its checksum; it will be re-encoded")
+        return tensors
+
+
+def _checksum(tensors: dict[str, "torch.Tensor"]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def scan(cfg: "Config", family: "Family") -> ScanResult:
+    d = cfg.data
+    return scan_dataset(
+        Path(d.dir), resolution=d.resolution, step=d.bucket_step or family.bucket_step,
+        min_side=d.min_bucket_side, max_side=d.max_bucket_side, use_buckets=d.buckets,
+        caption_ext=d.caption_ext, missing_caption=d.missing_caption, default_caption=d.default_caption,
+        trigger_word=d.trigger_word, default_repeats=d.repeats, skip_bad_images=d.skip_bad_images,
+    )
+
+
+def plan(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
+         scanned: ScanResult | None = None) -> CachePlan:
+    """Compute every entry's key without loading a model or decoding an image."""
+    scanned = scanned or scan(cfg, family)
+    enc_dtype = resolve_encoder_dtype(cfg.cache.encoder_dtype, device)
+    max_len = cfg.cache.text_max_length or family.text_max_length
+    vae_id = record.identity(family.vae_folders(model_dir))
+    text_id = record.identity(family.text_folders(model_dir))
+    latents = []
+    for item in scanned.items:
+        sha = file_sha256(item.path)
+        # A random crop is fixed per image by a seed derived from the run seed and the image, so
+        # it is reproducible and part of the key; a center crop does not depend on the seed.
+        crop_seed = int(sha[:8], 16) ^ cfg.train.seed if cfg.data.crop == "random" else 0
+        for flip in ((False, True) if cfg.data.flip else (False,)):
+            key = _key({"kind": "latents", "family": family.name, "image": sha, "bucket": list(item.bucket),
+                        "crop": cfg.data.crop, "crop_seed": crop_seed, "flip": flip, "vae": vae_id,
+                        "dtype": enc_dtype})
+            latents.append(LatentSpec(item, sha, flip, crop_seed, key))
+    texts = {}
+    for item in scanned.items:
+        if item.caption not in texts:
+            key = _key({"kind": "text", "family": family.name, "caption": item.caption, "encoders": text_id,
+                        "max_length": max_len, "dtype": enc_dtype})
+            texts[item.caption] = TextSpec(item.caption, key)
+    return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id})
+
+
+def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
+               the_plan: CachePlan | None = None, progress: bool = True) -> tuple[CachePlan, FillStats]:
+    """Encode every missing entry; load the VAE / text encoders only if something is missing."""
+    t0 = time.perf_counter()
+    the_plan = the_plan or plan(cfg, family, model_dir, device)
+    cache = Cache(cfg.cache.dir)
+    stats = FillStats()
+    # Existence is enough here: entries are renamed into place only when complete. Readers verify
+    # the checksum (training on load, `--verify` on demand) and drop a corrupt entry.
+    todo_lat = [s for s in the_plan.latents if not cache.has("latents", s.key)]
+    todo_txt = [s for s in the_plan.texts.values() if not cache.has("text", s.key)]
+    stats.latents_reused = len(the_plan.latents) - len(todo_lat)
+    stats.texts_reused = len(the_plan.texts) - len(todo_txt)
+
+    if todo_lat:
+        import torch
+
+        dtype = torch_dtype(the_plan.encoder_dtype)
+        vae = family.load_vae(model_dir, torch.device(device), dtype)
+        stats.loaded_vae = True
+        for i, spec in enumerate(todo_lat, 1):
+            cache.put("latents", spec.key, encode_latent(family, vae, spec, cfg.data.crop))
+            stats.latents_encoded += 1
+            if progress:
+                _progress("latents", i, len(todo_lat))
+        del vae
+        _free(device)
+    if todo_txt:
+        import torch
+
+        encoders = family.load_text_encoders(model_dir, torch.device(device), torch_dtype(the_plan.encoder_dtype))
+        stats.loaded_text_encoders = True
+        for i, spec in enumerate(todo_txt, 1):
+            cache.put("text", spec.key, family.encode_text(encoders, spec.caption, the_plan.text_max_length))
+            stats.texts_encoded += 1
+            if progress:
+                _progress("text", i, len(todo_txt))
+        del encoders
+        _free(device)
+    write_manifest(cfg, the_plan)
+    stats.seconds = time.perf_counter() - t0
+    return the_plan, stats
+
+
+def encode_latent(family: "Family", vae: Any, spec: LatentSpec, crop: str) -> dict[str, "torch.Tensor"]:
+    import numpy as np
+    import torch
+
+    fit = fit_to_bucket(open_image(spec.item.path), spec.item.bucket, crop=crop, seed=spec.crop_seed)
+    if spec.flip:
+        fit = fit.flipped()
+    pixels = torch.from_numpy(np.asarray(fit.image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
+    out = family.encode_image(vae, pixels)
+    # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
+    out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
+    return out
+
+
+def _progress(kind: str, i: int, n: int) -> None:
+    print(f"\r  encoding {kind}: {i}/{n}", end="\n" if i == n else "", flush=True)
+
+
+def _free(device: "torch.device | str") -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def manifest_path(cfg: "Config") -> Path:
+    ident = hashlib.sha256(f"{Path(cfg.data.dir).resolve()}|{cfg.model.family}|{cfg.model.path}".encode())
+    return Path(cfg.cache.dir) / "manifests" / f"{ident.hexdigest()[:16]}.json"
+
+
+def write_manifest(cfg: "Config", the_plan: CachePlan) -> None:
+    atomic.write_json(manifest_path(cfg), {
+        "format": CACHE_FORMAT, "data_dir": str(Path(cfg.data.dir).resolve()), "model": cfg.model.path,
+        "identities": the_plan.identities, "encoder_dtype": the_plan.encoder_dtype,
+        "text_max_length": the_plan.text_max_length,
+        "latents": [{"image": str(s.item.path), "image_sha256": s.image_sha256, "bucket": list(s.item.bucket),
+                     "flip": s.flip, "key": s.key} for s in the_plan.latents],
+        "texts": [{"caption": s.caption, "key": s.key} for s in the_plan.texts.values()],
+    })
+
+
+@dataclass
+class VerifyReport:
+    ok: int = 0
+    missing: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+
+
+def verify(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str") -> VerifyReport:
+    """Re-check every entry the manifest lists against the data and models as they are now."""
+    report = VerifyReport()
+    cache = Cache(cfg.cache.dir)
+    current = plan(cfg, family, model_dir, device)
+    now_keys = {s.key for s in current.latents} | {s.key for s in current.texts.values()}
+    try:
+        manifest = json.loads(manifest_path(cfg).read_text())
+    except FileNotFoundError:
+        manifest = {"latents": [], "texts": []}
+    for kind, entries, label in (("latents", manifest["latents"], "image"), ("text", manifest["texts"], "caption")):
+        for e in entries:  # entries recorded at the last fill that no longer match the data
+            what = f"{kind} of {e[label]!r}"
+            if e["key"] not in now_keys:
+                report.stale.append(f"{what}: its source, model or settings changed since it was cached")
+    for kind, specs in (("latents", current.latents), ("text", list(current.texts.values()))):
+        for s in specs:
+            what = f"{kind} of {str(s.item.path) if kind == 'latents' else s.caption!r}"
+            if not cache.has(kind, s.key):
+                report.missing.append(what)
+                continue
+            try:
+                cache.get(kind, s.key)
+                report.ok += 1
+            except CorruptEntry as exc:
+                report.corrupt.append(f"{what}: {exc}")
+    return report
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training image as the loop sees it: cached tensors for each variant (flip) and its bucket."""
+
+    bucket: tuple[int, int]
+    repeats: int
+    variants: tuple[dict[str, "torch.Tensor"], ...]
+
+
+def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
+                 the_plan: CachePlan) -> list[Sample]:
+    """Read every entry of the plan into memory; a corrupt entry is dropped and re-encoded once."""
+    cache = Cache(cfg.cache.dir)
+    for attempt in (1, 2):
+        try:
+            texts = {c: cache.get("text", s.key) for c, s in the_plan.texts.items()}
+            by_item: dict[Path, list[dict[str, "torch.Tensor"]]] = {}
+            for spec in the_plan.latents:
+                entry = {**cache.get("latents", spec.key), **texts[spec.item.caption]}
+                by_item.setdefault(spec.item.path, []).append(entry)
+            break
+        except CorruptEntry as exc:
+            if attempt == 2:
+                raise
+            log.warning("%s", exc)
+            for kind, key in [("text", s.key) for s in the_plan.texts.values()] + \
+                             [("latents", s.key) for s in the_plan.latents]:
+                if cache.has(kind, key):
+                    try:
+                        cache.get(kind, key)
+                    except CorruptEntry:
+                        cache.drop(kind, key)
+            fill_cache(cfg, family, model_dir, device, the_plan)
+    items = {s.item.path: s.item for s in the_plan.latents}
+    return [Sample(items[p].bucket, items[p].repeats, tuple(v)) for p, v in by_item.items()]
