@@ -1,0 +1,139 @@
+"""Checkpoints: everything needed to continue a run bit for bit, written atomically.
+
+``<run>/checkpoints/step-000020/`` holds the adapter (diffusers layout, safetensors), the
+optimizer state (tensors in safetensors, structure in JSON), the scheduler state, RNG states,
+the step and the resolved config with its hash. The folder is built under a temporary name and
+renamed into place, so a crash never leaves a checkpoint that looks complete but is not; only
+then are checkpoints beyond ``keep`` removed, oldest first.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import atomic
+from .errors import ImgloraError
+
+# Keys that do not change what is trained: they may differ on --resume.
+RESUME_NEUTRAL = (
+    "run.", "eval.", "export.", "cache.dir", "data.dir", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.log_every", "train.eval_after", "memory.blocks_to_swap", "memory.double_blocks_to_swap",
+    "memory.single_blocks_to_swap",
+)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    root = Path(run_dir) / "checkpoints"
+    out = []
+    for p in root.glob("step-*"):
+        if p.is_dir() and (p / "state.json").is_file() and p.name[5:].isdigit():
+            out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def optimizer_to_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors: dict[str, torch.Tensor] = {}
+    rest: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    for idx, entry in state["state"].items():
+        for name, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}/{name}"] = value.detach().cpu().contiguous()
+            else:
+                rest["state"].setdefault(str(idx), {})[name] = value
+    return tensors, rest
+
+
+def optimizer_from_tensors(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in rest["state"].items()}
+    for key, value in tensors.items():
+        idx, name = key.split("/", 1)
+        state.setdefault(int(idx), {})[name] = value
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def save(run_dir: Path, step: int, *, write_adapter, optimizer: torch.optim.Optimizer, scheduler: Any,
+         config: dict[str, Any], config_hash: str, extra: dict[str, Any], keep: int) -> Path:
+    dest = step_dir(run_dir, step)
+    with atomic.atomic_dir(dest) as tmp:
+        write_adapter(tmp / "adapter")
+        tensors, rest = optimizer_to_tensors(optimizer.state_dict())
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                rng[f"cuda{i}"] = s
+        save_file(rng, str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({
+            "step": step, "config_hash": config_hash, "config": config, "optimizer": rest,
+            "scheduler": scheduler.state_dict(), "python_random": _py_rng(), **extra,
+        }, indent=1, default=_json_default))
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def _py_rng() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _json_default(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def load(path: Path) -> dict[str, Any]:
+    state = json.loads((path / "state.json").read_text())
+    state["optimizer_state"] = optimizer_from_tensors(load_file(str(path / "optimizer.safetensors")),
+                                                      state.pop("optimizer"))
+    state["rng"] = load_file(str(path / "rng.safetensors"))
+    state["adapter_dir"] = path / "adapter"
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["rng"]["torch"])
+    for key, value in state["rng"].items():
+        if key.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state(value, int(key[4:]))
+    version, internal, gauss = state["python_random"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ and that change what is trained."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    diffs = []
+    for key in sorted(set(flat_old) | set(flat_new)):
+        if key.startswith(RESUME_NEUTRAL) or key in RESUME_NEUTRAL:
+            continue
+        a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
+        if a != b:
+            diffs.append(f"{key}: {json.dumps(a)} in the checkpoint, {json.dumps(b)} now")
+    return diffs
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class ResumeRefused(ImgloraError):
+    pass

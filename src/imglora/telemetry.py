@@ -1,0 +1,49 @@
+"""Timing and memory figures shared by training, evaluation and benchmarks."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+
+def reset_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory(device: torch.device) -> dict[str, Any]:
+    """Peak device memory (allocated, reserved) and host RSS, in bytes."""
+    import psutil
+
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    out: dict[str, Any] = {"rss": psutil.Process().memory_info().rss, "peak_rss": peak_rss,
+                           "peak_allocated": None, "peak_reserved": None}
+    if device.type == "cuda":
+        out["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        out["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def steady_state(seconds: list[float], warmup: int) -> dict[str, float | int | None]:
+    """Median and spread of per-update times after ``warmup`` updates (warm-up is excluded)."""
+    measured = seconds[warmup:] if len(seconds) > warmup else []
+    if not measured:
+        return {"median": None, "p10": None, "p90": None, "n": 0, "warmup": warmup}
+    q = statistics.quantiles(measured, n=10) if len(measured) >= 2 else [measured[0]] * 9
+    return {"median": statistics.median(measured), "p10": q[0], "p90": q[-1], "n": len(measured), "warmup": warmup}
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

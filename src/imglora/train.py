@@ -1,0 +1,380 @@
+"""The training loop, shared by every family.
+
+Setup (config → cache → model → LoRA → memory wrappers → optimizer), then a loop whose body is
+the model's math and nothing else: the family computes the loss, every "N steps" block (log,
+checkpoint) runs outside it. The loop never asks which family it trains.
+
+Determinism: update ``s`` seeds the RNGs from (seed, s), and micro-batch ``m`` is a pure function
+of (seed, m), so a resumed run repeats an uninterrupted one bit for bit on the same machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import atomic, checkpoint, lora, record, telemetry
+from .config import Config
+from .data import cache
+from .data.batches import Batcher
+from .data.dataset import dataset_version
+from .errors import ImgloraError
+from .families import get_family
+from .models import resolve_model
+
+WARMUP_UPDATES = 3  # excluded from steady-state timing (allocator warm-up, first-call compilation)
+
+
+class NonFiniteLoss(ImgloraError):
+    pass
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    adapter: Path | None
+    steps_done: int
+    interrupted: bool
+    record: Path
+    signal: str | None = None
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+
+
+def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                 weight_decay=t.weight_decay)
+    if t.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=t.learning_rate, relative_step=False, scale_parameter=False, warmup_init=False,
+                         weight_decay=t.weight_decay)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ImgloraError("train.optimizer = \"adamw8bit\" needs bitsandbytes: `pip install bitsandbytes` "
+                           "(CUDA only), or set train.optimizer = \"adamw\"") from None
+    return bnb.optim.AdamW8bit(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                               weight_decay=t.weight_decay)
+
+
+def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return f
+
+
+def total_updates(cfg: Config, micro_per_epoch: int) -> int:
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.epochs * micro_per_epoch / cfg.train.grad_accum))
+
+
+class _StopFlag:
+    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out
+        self.signal = signum
+        print(f"\n{signal.Signals(signum).name} received: finishing this update, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[[str], None] = print) -> TrainResult:
+    from accelerate import Accelerator
+
+    run_dir = cfg.run_dir
+    family = get_family(cfg.model.family)
+    mp = cfg.train.mixed_precision
+    accelerator = Accelerator(mixed_precision=("no" if mp == "auto" and not torch.cuda.is_available()
+                                               else "bf16" if mp == "auto" else mp))
+    device = accelerator.device
+    rec = record.RunRecord("train", run_dir, cfg.to_dict())
+    t_setup = time.perf_counter()
+    telemetry.reset_peaks(device)
+
+    # -- setup: data first (encoders are loaded only for missing entries, then freed) ----------
+    with rec.phase("resolve_model"):
+        model_dir = resolve_model(cfg.model.path, cfg.model.family)
+    with rec.phase("cache"):
+        the_plan, stats = cache.fill_cache(cfg, family, model_dir, device)
+        samples = cache.load_samples(cfg, family, model_dir, device, the_plan)
+    for w in the_plan.scan.warnings:
+        out(f"warning: {w}")
+    out(f"data: {len(samples)} images, cache {stats.latents_encoded + stats.texts_encoded} encoded / "
+        f"{stats.latents_reused + stats.texts_reused} reused")
+
+    with rec.phase("load_model"):
+        weight_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
+        if device.type == "cpu":
+            weight_dtype = torch.float32  # CPU kernels for half precision are slow or missing
+        trainable = family.load_trainable(model_dir, cfg, device, weight_dtype)
+        model = trainable.model
+        lora_config = lora.inject(model, family, cfg.lora, cfg.train.seed)
+        for p in lora.trainable_parameters(model):
+            p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
+        if cfg.memory.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        model.train()
+        params = lora.trainable_parameters(model)
+        optimizer = make_optimizer(cfg, params)
+        batcher = Batcher(samples, cfg.train.batch_size, cfg.train.seed, accelerator.process_index,
+                          accelerator.num_processes)
+        total = total_updates(cfg, batcher.per_epoch)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg.train.scheduler, cfg.train.warmup_steps, total))
+        model, optimizer = accelerator.prepare(model, optimizer)
+    n_params = sum(p.numel() for p in params)
+    out(f"model: {family.name} from {model_dir}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
+        f"{n_params:,} trainable parameters, device {device}, {total} updates")
+
+    config_dict = cfg.to_dict()
+    config_hash = cfg.hash()
+    start = 0
+    if resume:
+        start = _resume(cfg, run_dir, model, optimizer, scheduler, config_dict, out)
+    log_path = run_dir / "log.jsonl"
+    history = _read_log(log_path, upto=start)
+
+    def write_adapter(folder: Path) -> Path:
+        return lora.save_for_diffusers(family, accelerator.unwrap_model(model), lora_config, folder)
+
+    def save_checkpoint(step: int) -> Path:
+        t0 = time.perf_counter()
+        path = checkpoint.save(run_dir, step, write_adapter=write_adapter, optimizer=optimizer, scheduler=scheduler,
+                               config=config_dict, config_hash=config_hash, keep=cfg.train.keep_checkpoints,
+                               extra={"micro_batches_done": step * cfg.train.grad_accum, "epoch":
+                                      batcher.ref(max(0, step * cfg.train.grad_accum - 1)).epoch})
+        rec.data.setdefault("checkpoint_seconds", []).append(round(time.perf_counter() - t0, 4))
+        return path
+
+    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
+            dataset_version=dataset_version(the_plan.scan.items), dataset_items=len(samples),
+            trainable_parameters=n_params, total_updates=total, resumed_from=start or None)
+    with rec.phase("checksums"):
+        rec.set(model_checksums=record.folder_checksums(model_dir))
+    tb = _tensorboard(run_dir)
+
+    # -- the loop ------------------------------------------------------------------------------
+    accum = cfg.train.grad_accum
+    step_times: list[float] = []
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first update with a non-finite loss
+    loss_sum = torch.zeros((), device=device)
+    last_log_t, last_log_step = time.perf_counter(), start
+    last_good_ckpt = start
+    step = start
+    interrupted = False
+    stop_signal = None
+    t_loop = time.perf_counter()
+    with _StopFlag() as stop, rec.phase("train_loop"):
+        for step in range(start + 1, total + 1):
+            seed = step_seed(cfg.train.seed, step)
+            torch.manual_seed(seed)  # LoRA dropout draws from the global RNG
+            gen = torch.Generator(device=device).manual_seed(seed)
+            for micro in range(accum):
+                batch = batcher.batch((step - 1) * accum + micro, device)
+                with accelerator.autocast():
+                    loss = trainable.loss(batch, gen) / accum
+                accelerator.backward(loss)
+                loss_sum += loss.detach()
+            if cfg.train.max_grad_norm:
+                accelerator.clip_grad_norm_(params, cfg.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            # No .item() here: that would make the host wait for the device every update.
+            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
+
+            if step % cfg.train.log_every == 0 or step == total or stop.signal:
+                loss_value = loss_sum.item() / (step - last_log_step)  # a sync point, once per log
+                loss_sum.zero_()
+                now = time.perf_counter()
+                per_update = (now - last_log_t) / (step - last_log_step)
+                step_times += [per_update] * (step - last_log_step)
+                last_log_t, last_log_step = now, step
+                _check_finite(first_bad, run_dir, last_good_ckpt)
+                mem = telemetry.memory(device)
+                row = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                       "sec_per_update": per_update, "peak_allocated": mem["peak_allocated"],
+                       "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
+                history.append(row)
+                _append_log(log_path, row)
+                if tb:
+                    tb.add_scalar("loss", loss_value, step)
+                    tb.add_scalar("lr", row["lr"], step)
+                out(_progress_line(step, total, row, step_times, device))
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != total:
+                _check_finite(first_bad, run_dir, last_good_ckpt)
+                with rec.phase("checkpoints"):
+                    save_checkpoint(step)
+                last_good_ckpt = step
+            if stop.signal:
+                interrupted, stop_signal = True, signal.Signals(stop.signal).name
+                break
+    loop_seconds = time.perf_counter() - t_loop
+
+    # -- outputs -------------------------------------------------------------------------------
+    _check_finite(first_bad, run_dir, last_good_ckpt)
+    with rec.phase("checkpoints"):
+        ckpt_path = save_checkpoint(step) if step > start or not checkpoint.list_checkpoints(run_dir) else None
+    adapter = None
+    if not interrupted:
+        with atomic.atomic_dir(run_dir / "adapter") as tmp:
+            write_adapter(tmp)
+        adapter = run_dir / "adapter" / lora.ADAPTER_FILE
+    _plot_loss(history, run_dir / "loss.png")
+    if tb:
+        tb.close()
+    mem = telemetry.memory(device)
+    rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
+            sec_per_update=telemetry.steady_state(step_times, WARMUP_UPDATES), peak_memory=mem,
+            final_loss=history[-1]["loss"] if history else None, adapter=str(adapter) if adapter else None,
+            last_checkpoint=str(ckpt_path) if ckpt_path else None,
+            lora={"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": sorted(lora_config.target_modules)
+                  if isinstance(lora_config.target_modules, set) else lora_config.target_modules})
+    rec_path = rec.write(status="interrupted" if interrupted else "ok")
+    if interrupted:
+        how = f"imglora train {preset or '<preset>'} --resume"
+        out(f"stopped at update {step}/{total}; checkpoint {ckpt_path}. Continue with: {how}")
+    else:
+        ss = telemetry.steady_state(step_times, WARMUP_UPDATES)
+        per = f"{ss['median']:.3f} s/update (median after {WARMUP_UPDATES} warm-up updates)" if ss["median"] else ""
+        out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}")
+    return TrainResult(run_dir, adapter, step, interrupted, rec_path, stop_signal)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _resume(cfg: Config, run_dir: Path, model: Any, optimizer: Any, scheduler: Any, config_dict: dict[str, Any],
+            out: Callable[[str], None]) -> int:
+    ckpts = checkpoint.list_checkpoints(run_dir)
+    if not ckpts:
+        raise checkpoint.ResumeRefused(f"--resume: {run_dir}/checkpoints holds no checkpoint; start without --resume")
+    step, path = ckpts[-1]
+    state = checkpoint.load(path)
+    diffs = checkpoint.config_differences(state["config"], config_dict)
+    if diffs:
+        raise checkpoint.ResumeRefused(
+            f"--resume refused: {path} was trained with different settings that change the result:\n  "
+            + "\n  ".join(diffs) + f"\nRestore them, or start a new run (another run.name).")
+    from safetensors.torch import load_file
+
+    weights = load_file(str(state["adapter_dir"] / lora.ADAPTER_FILE))
+    prefix = next(iter(weights)).split(".", 1)[0] + "."
+    lora.load_adapter_state(_unwrap(model), {k[len(prefix):]: v for k, v in weights.items()})
+    optimizer.load_state_dict(state["optimizer_state"])
+    scheduler.load_state_dict(state["scheduler"])
+    checkpoint.restore_rng(state)
+    out(f"resuming from {path} (update {step})")
+    return step
+
+
+def _unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def _check_finite(first_bad: torch.Tensor, run_dir: Path, last_good: int) -> None:
+    bad = int(first_bad.item())
+    if bad >= 0:
+        kept = (f"the last good checkpoint (update {last_good}) is kept in {run_dir / 'checkpoints'}"
+                if last_good else "no checkpoint had been written yet")
+        raise NonFiniteLoss(
+            f"the loss became NaN or infinite at update {bad}; stopping before anything is saved. Likely causes: "
+            "learning rate too high (try half), fp16 overflow (use bf16), a corrupt cache entry "
+            f"(`imglora cache-latents --verify`), or min_snr/noise settings out of range. {kept}.")
+
+
+def _progress_line(step: int, total: int, row: dict[str, Any], times: list[float], device: torch.device) -> str:
+    recent = times[-20:]
+    per = sorted(recent)[len(recent) // 2] if recent else row["sec_per_update"]
+    eta = telemetry.fmt_duration(per * (total - step))
+    width = 20
+    filled = int(width * step / total)
+    mem = f" | peak {telemetry.gib(row['peak_allocated'])}" if device.type == "cuda" else ""
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
+            f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
+
+
+def _append_log(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _read_log(path: Path, upto: int) -> list[dict[str, Any]]:
+    """Rows up to the resumed update; later rows (from the interrupted attempt) are dropped."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] <= upto]
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def _tensorboard(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _plot_loss(history: list[dict[str, Any]], path: Path) -> None:
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    losses = [r["loss"] for r in history]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, losses, lw=1, alpha=0.5, label="loss")
+    k = max(1, len(losses) // 10)
+    if len(losses) > k:
+        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({k})")
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel("loss")
+    ax.set_title(path.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
