@@ -10,6 +10,8 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Tiny models are generated once per test session into this folder (IMGLORA_HOME may be set by CI
 # to share them between runs; they are rebuilt whenever their generator version changes).
 os.environ.setdefault("IMGLORA_HOME", str(Path(tempfile.gettempdir()) / "imglora-test-home"))

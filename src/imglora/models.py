@@ -8,7 +8,6 @@ Accepted forms:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from .errors import ModelSourceError
@@ -43,14 +42,14 @@ def _looks_like_hub_id(path: str) -> bool:
 
 
 def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         # local_files_only: never a request, so never a hang on a machine without network.
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError):
-        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        cache = constants.HF_HUB_CACHE
         raise ModelSourceError(
             f"model.path = {repo_id!r} is not in the local Hugging Face cache ({cache}). imglora never "
             f"downloads during a run; fetch it first with `hf download {repo_id}` (gated models such "
