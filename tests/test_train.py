@@ -1,0 +1,222 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from imglora import checkpoint, config, lora, record
+from imglora.families import get_family
+from imglora.models import resolve_model
+from imglora.train import NonFiniteLoss, lr_lambda, train
+
+REPO = Path(__file__).resolve().parents[1]
+PRESET = REPO / "presets" / "tiny-sdxl.toml"
+
+
+@pytest.fixture()
+def small(tmp_path: Path, sample_dataset: Path):
+    """Three sample images and overrides that keep a run to a few seconds."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("01_sky", "02_grass", "04_wall"):
+        for f in sample_dataset.glob(f"{name}.*"):
+            shutil.copy(f, data / f.name)
+    overrides = [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
+                 f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=8",
+                 "train.checkpoint_every=2", "train.log_every=1", "train.warmup_steps=2"]
+    return overrides
+
+
+def load_cfg(overrides, *extra):
+    return config.load(PRESET, [*overrides, *extra])
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def cli(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "imglora.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def set_args(overrides) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def test_lr_schedules() -> None:
+    f = lr_lambda("cosine", warmup=2, total=10)
+    assert [round(f(s), 4) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    g = lr_lambda("linear", warmup=0, total=4)
+    assert [g(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lr_lambda("constant", 3, 10)(0) == pytest.approx(1 / 3)
+
+
+def test_run_writes_adapter_log_png_and_record(small) -> None:
+    cfg = load_cfg(small)
+    result = train(cfg, out=quiet)
+    run = cfg.run_dir
+    assert result.adapter == run / "adapter" / lora.ADAPTER_FILE and result.adapter.is_file()
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(set(r) >= {"loss", "lr", "sec_per_update", "peak_allocated", "rss"} for r in rows)
+    assert rows[0]["lr"] == pytest.approx(cfg.train.learning_rate * 1.0)  # warmup 2: step 1 -> 1.0 after 1 step
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [s for s, _ in checkpoint.list_checkpoints(run)] == [4, 6, 8]  # keep_checkpoints = 3
+    rec = record.read_records(run, "train")[-1]
+    assert rec["status"] == "ok" and rec["steps_done"] == 8
+    assert rec["sec_per_update"]["median"] > 0 and rec["sec_per_update"]["n"] == 5
+    assert rec["setup_seconds"] > 0 and rec["peak_memory"]["peak_rss"] > 0
+    assert set(rec["phases"]) >= {"cache", "load_model", "train_loop", "checkpoints"}
+    assert rec["environment"]["diffusers"] and len(rec["dataset_version"]) == 64
+    assert rec["lora"]["rank"] == 8 and rec["lora"]["alpha"] == 8.0
+
+
+def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    cfg = load_cfg(small, "lora.alpha=4", "train.max_steps=3", "train.checkpoint_every=0")  # alpha != rank
+    result = train(cfg, out=quiet)
+    model_dir = resolve_model("tiny:sdxl", "sdxl")
+    family = get_family("sdxl")
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 16, 16)
+    t = torch.tensor([500])
+    cond = {"encoder_hidden_states": torch.randn(1, 77, 64),
+            "added_cond_kwargs": {"text_embeds": torch.randn(1, 32), "time_ids": torch.tensor([[128., 128, 0, 0, 128, 128]])}}
+
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    unet = trainable.model.eval()
+    with torch.no_grad():
+        base = unet(x, t, **cond).sample
+    peft_cfg = lora.inject(unet, family, cfg.lora, seed=0)
+    weights = load_file(str(result.adapter))
+    assert all(k.startswith("unet.") for k in weights)
+    lora.load_adapter_state(unet, {k[len("unet."):]: v for k, v in weights.items()})
+    assert peft_cfg.lora_alpha == 4 and peft_cfg.r == 8
+    with torch.no_grad():
+        peft_out = unet(x, t, **cond).sample
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir)
+    pipe.load_lora_weights(str(result.adapter.parent))
+    with torch.no_grad():
+        pipe_out = pipe.unet(x, t, **cond).sample
+    assert (peft_out - base).abs().max() > 1e-3  # the adapter changes the output
+    torch.testing.assert_close(pipe_out, peft_out, rtol=1e-5, atol=1e-5)
+
+
+def test_only_lora_parameters_train(small) -> None:
+    cfg = load_cfg(small)
+    family = get_family("sdxl")
+    trainable = family.load_trainable(resolve_model("tiny:sdxl", "sdxl"), cfg, torch.device("cpu"), torch.float32)
+    unet = trainable.model
+    lora.inject(unet, family, cfg.lora, seed=1)
+    base_before = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_" not in n}
+    lora_before = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_" in n}
+    assert all(p.requires_grad == ("lora_" in n) for n, p in unet.named_parameters())
+    opt = torch.optim.AdamW(lora.trainable_parameters(unet), lr=1e-2)
+    batch = {"latents": torch.randn(1, 4, 16, 16), "prompt_embeds": torch.randn(1, 77, 64),
+             "pooled_prompt_embeds": torch.randn(1, 32), "time_ids": torch.tensor([[128., 128, 0, 0, 128, 128]])}
+    for _ in range(2):
+        trainable.loss(batch, torch.Generator().manual_seed(0)).backward()
+        assert all((p.grad is not None) == ("lora_" in n) for n, p in unet.named_parameters())
+        opt.step()
+        opt.zero_grad()
+    after = dict(unet.named_parameters())
+    assert all(torch.equal(after[n], v) for n, v in base_before.items())
+    changed = [n for n, v in lora_before.items() if not torch.equal(after[n], v)]
+    assert len(changed) == len(lora_before)  # every A and B moved (B from zero)
+
+
+def test_forced_nan_stops_names_step_and_keeps_checkpoint(small, monkeypatch) -> None:
+    from imglora.families import sdxl
+
+    real = sdxl.SdxlTrainable.loss
+    calls = {"n": 0}
+
+    def poisoned(self, batch, gen):
+        calls["n"] += 1
+        loss = real(self, batch, gen)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(sdxl.SdxlTrainable, "loss", poisoned)
+    cfg = load_cfg(small)
+    with pytest.raises(NonFiniteLoss) as exc:
+        train(cfg, out=quiet)
+    msg = str(exc.value)
+    assert "NaN or infinite at update 5" in msg and "learning rate" in msg
+    assert "last good checkpoint (update 4)" in msg
+    ckpts = checkpoint.list_checkpoints(cfg.run_dir)
+    assert [s for s, _ in ckpts] == [2, 4]
+    weights = load_file(str(ckpts[-1][1] / "adapter" / lora.ADAPTER_FILE))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    assert not (cfg.run_dir / "adapter").exists()
+
+
+def test_resume_refuses_changed_training_settings(small) -> None:
+    cfg = load_cfg(small, "train.max_steps=2")
+    train(cfg, out=quiet)
+    changed = load_cfg(small, "train.max_steps=2", "train.learning_rate=5e-4", "lora.rank=4", "train.log_every=2")
+    with pytest.raises(checkpoint.ResumeRefused) as exc:
+        train(changed, resume=True, out=quiet)
+    msg = str(exc.value)
+    assert "lora.rank: 8 in the checkpoint, 4 now" in msg
+    assert "train.learning_rate: 0.003 in the checkpoint, 0.0005 now" in msg
+    assert "log_every" not in msg  # does not change what is trained
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical_and_sigterm_checkpoints(small, tmp_path: Path) -> None:
+    base = [o for o in small if not o.startswith(("run.output_dir", "train.max_steps"))]
+    common = [*base, "train.max_steps=14"]
+
+    ref = cli(["train", str(PRESET), *set_args([*common, f"run.output_dir={json.dumps(str(tmp_path / 'ref'))}"])])
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out
+
+    killed_dir = tmp_path / "killed"
+    args = ["train", str(PRESET), *set_args([*common, f"run.output_dir={json.dumps(str(killed_dir))}"])]
+    victim = cli(args)
+    ckpt = killed_dir / "tiny-sdxl" / "checkpoints" / "step-000004"
+    deadline = time.time() + 300
+    while not ckpt.exists() and time.time() < deadline and victim.poll() is None:
+        time.sleep(0.02)
+    assert victim.poll() is None, "the run finished before it could be killed"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (killed_dir / "tiny-sdxl" / "adapter").exists()
+
+    resumed = cli([*args, "--resume"])
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert "resuming from" in out
+    a = load_file(str(tmp_path / "ref" / "tiny-sdxl" / "adapter" / lora.ADAPTER_FILE))
+    b = load_file(str(killed_dir / "tiny-sdxl" / "adapter" / lora.ADAPTER_FILE))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed adapter differs from the uninterrupted one"
+
+    # SIGTERM: finish the update, checkpoint, exit 0 and say how to resume.
+    term_dir = tmp_path / "term"
+    proc = cli(["train", str(PRESET), *set_args([*common, "train.max_steps=400", "train.checkpoint_every=0",
+                                                 f"run.output_dir={json.dumps(str(term_dir))}"])])
+    log = term_dir / "tiny-sdxl" / "log.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and log.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "--resume" in out
+    steps = [s for s, _ in checkpoint.list_checkpoints(term_dir / "tiny-sdxl")]
+    assert len(steps) == 1 and 2 <= steps[0] < 400
