@@ -220,3 +220,38 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_checkpoints(small, tmp
     assert "--resume" in out
     steps = [s for s, _ in checkpoint.list_checkpoints(term_dir / "tiny-sdxl")]
     assert len(steps) == 1 and 2 <= steps[0] < 400
+
+
+def test_complete_cache_means_no_encoder_is_loaded(small, monkeypatch) -> None:
+    cfg = load_cfg(small, "train.max_steps=1", "train.checkpoint_every=0", "train.warmup_steps=0")
+    train(cfg, out=quiet)
+    from imglora.families import sdxl
+
+    def refuse(*a, **k):
+        raise AssertionError("an encoder was loaded although the cache is complete")
+
+    monkeypatch.setattr(sdxl.SdxlFamily, "load_vae", refuse)
+    monkeypatch.setattr(sdxl.SdxlFamily, "load_text_encoders", refuse)
+    lines: list[str] = []
+    train(load_cfg(small, "train.max_steps=1", "train.checkpoint_every=0", "train.warmup_steps=0", "run.name=second"),
+          out=lines.append)
+    assert any("cache 0 encoded / 6 reused" in line for line in lines)
+
+
+def test_optimizers_and_epochs(small) -> None:
+    from imglora.errors import ImgloraError
+    from imglora.train import make_optimizer, total_updates
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = make_optimizer(load_cfg(small, "train.optimizer=\"adafactor\""), [p])
+    p.grad = torch.ones(3)
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(3))
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImgloraError, match="needs bitsandbytes: `pip install bitsandbytes`"):
+            make_optimizer(load_cfg(small, "train.optimizer=\"adamw8bit\""), [p])
+    # 3 images x 2 epochs = 6 micro-batches; accumulation 4 -> 2 updates (the last one partial).
+    cfg = load_cfg(small, "train.max_steps=0", "train.epochs=2", "train.grad_accum=4")
+    assert total_updates(cfg, micro_per_epoch=3) == 2

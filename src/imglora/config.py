@@ -134,6 +134,8 @@ class TrainConfig:
                                     min=0.0, max=100.0, min_exclusive=True)
     resolution_dependent_shift: bool = _f(False, help="FLUX: derive the shift from the image size "
                                                       "as FLUX.1-dev inference does.")
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = _f(
+        "none", help="FLUX: weighting of the flow-matching loss over noise levels (as SD3 / kohya).")
     guidance: float = _f(1.0, help="FLUX: guidance embedding value during training.", min=0.0, max=100.0)
     eval_after: bool = _f(False, help="Run `imglora eval` in a fresh process after training.")
 

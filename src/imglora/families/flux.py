@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -67,3 +68,85 @@ class FluxFamily:
                      return_tensors="pt").input_ids.to(t5.device)
         t5_out = t5(ids, output_hidden_states=False)[0]
         return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+
+    # -- training ---------------------------------------------------------------------------
+    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "FluxTrainable":
+        from diffusers import FluxTransformer2DModel
+
+        # Loaded on the CPU: fp8 quantization and block swapping decide what goes to the device.
+        transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype)
+        return FluxTrainable(transformer, cfg.train)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] → [B, (H/2)(W/2), 4C]: FLUX sees 2×2 latent patches as tokens."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
+    """Position ids of the packed latent tokens: (0, row, column), as FluxPipeline builds them."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def resolution_shift_mu(image_seq_len: int) -> float:
+    """FLUX.1-dev's inference shift: linear in the token count from (256, 0.5) to (4096, 1.15)."""
+    return 0.5 + (1.15 - 0.5) * (image_seq_len - 256) / (4096 - 256)
+
+
+def sample_sigmas(n: int, train: Any, image_seq_len: int, generator: torch.Generator,
+                  device: torch.device) -> torch.Tensor:
+    """Noise levels σ ∈ (0, 1) for flow matching (kohya sd-scripts' options, same formulas)."""
+    kind = train.timestep_sampling
+    if kind == "uniform":
+        return torch.rand(n, generator=generator, device=device)
+    if kind == "logit_normal":  # SD3's default: sigmoid of a standard normal
+        return torch.sigmoid(torch.randn(n, generator=generator, device=device))
+    s = torch.sigmoid(train.sigmoid_scale * torch.randn(n, generator=generator, device=device))
+    if kind == "sigmoid":
+        return s
+    if train.resolution_dependent_shift:
+        mu = resolution_shift_mu(image_seq_len)
+        return math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    shift = train.discrete_flow_shift
+    return s * shift / (1 + (shift - 1) * s)
+
+
+class FluxTrainable:
+    """The FLUX transformer and the flow-matching loss on cached latents and text embeddings."""
+
+    def __init__(self, transformer: Any, train: Any):
+        self.model = transformer
+        self.train = train
+        self.guidance = train.guidance if transformer.config.guidance_embeds else None
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        latents = batch["latents"]
+        device, (n, _, h, w) = latents.device, latents.shape
+        x0 = pack_latents(latents)
+        noise = torch.randn(x0.shape, generator=generator, device=device, dtype=x0.dtype)
+        sigma = sample_sigmas(n, self.train, x0.shape[1], generator, device)
+        s = sigma.view(n, 1, 1)
+        noisy = (1 - s) * x0 + s * noise
+        dtype = self.model.dtype
+        text = batch["prompt_embeds"]
+        pred = self.model(
+            hidden_states=noisy.to(dtype),
+            timestep=sigma.to(dtype),  # the transformer multiplies by 1000 itself
+            guidance=None if self.guidance is None else torch.full((n,), self.guidance, device=device, dtype=dtype),
+            pooled_projections=batch["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=text.to(dtype),
+            txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
+            img_ids=image_ids(h, w, device).to(dtype),
+            return_dict=False,
+        )[0]
+        per_item = (pred.float() - (noise - x0).float()).pow(2).mean(dim=(1, 2))
+        if self.train.loss_weighting == "sigma_sqrt":
+            per_item = per_item * sigma.pow(-2.0)
+        elif self.train.loss_weighting == "cosmap":
+            per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
+        return per_item.mean()

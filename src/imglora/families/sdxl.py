@@ -68,7 +68,7 @@ class SdxlFamily:
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "SdxlTrainable":
         from diffusers import DDPMScheduler, UNet2DConditionModel
 
-        unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=dtype).to(device)
+        unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=dtype)
         # The training-time view of the noise schedule; the pipeline's sampler config only
         # contributes the betas and the prediction type.
         scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
