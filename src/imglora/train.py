@@ -28,6 +28,7 @@ from .data.batches import Batcher
 from .data.dataset import dataset_version
 from .errors import ImgloraError
 from .families import get_family
+from .memory.wrap import apply_memory
 from .models import resolve_model
 
 WARMUP_UPDATES = 3  # excluded from steady-state timing (allocator warm-up, first-call compilation)
@@ -146,6 +147,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
             p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
         if cfg.memory.gradient_checkpointing:
             model.enable_gradient_checkpointing()
+        memory = apply_memory(model, family, cfg.memory, device, out)  # fp8, block swap, then to the device
         model.train()
         params = lora.trainable_parameters(model)
         optimizer = make_optimizer(cfg, params)
@@ -154,7 +156,8 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         total = total_updates(cfg, batcher.per_epoch)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.train.scheduler, cfg.train.warmup_steps, total))
-        model, optimizer = accelerator.prepare(model, optimizer)
+        # The swap engine places the model's tensors itself; accelerate must not move them again.
+        model, optimizer = accelerator.prepare(model, optimizer, device_placement=[memory.swapper is None, True])
     n_params = sum(p.numel() for p in params)
     out(f"model: {family.name} from {model_dir}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
         f"{n_params:,} trainable parameters, device {device}, {total} updates")
@@ -181,7 +184,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
 
     rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
             dataset_version=dataset_version(the_plan.scan.items), dataset_items=len(samples),
-            trainable_parameters=n_params, total_updates=total, resumed_from=start or None)
+            trainable_parameters=n_params, total_updates=total, resumed_from=start or None, memory=memory.facts)
     with rec.phase("checksums"):
         rec.set(model_checksums=record.folder_checksums(model_dir))
     tb = _tensorboard(run_dir)
@@ -204,6 +207,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
             gen = torch.Generator(device=device).manual_seed(seed)
             for micro in range(accum):
                 batch = batcher.batch((step - 1) * accum + micro, device)
+                memory.before_forward()
                 with accelerator.autocast():
                     loss = trainable.loss(batch, gen) / accum
                 accelerator.backward(loss)
