@@ -23,9 +23,7 @@ import torch
 
 from . import atomic, checkpoint, lora, record, telemetry
 from .config import Config
-from .data import cache
 from .data.batches import Batcher
-from .data.dataset import dataset_version
 from .errors import ImgloraError
 from .families import get_family
 from .memory.wrap import apply_memory
@@ -129,12 +127,10 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     with rec.phase("resolve_model"):
         model_dir = resolve_model(cfg.model.path, cfg.model.family)
     with rec.phase("cache"):
-        the_plan, stats = cache.fill_cache(cfg, family, model_dir, device)
-        samples = cache.load_samples(cfg, family, model_dir, device, the_plan)
-    for w in the_plan.scan.warnings:
+        data = family.prepare_data(cfg, model_dir, device)
+    for w in data.warnings:
         out(f"warning: {w}")
-    out(f"data: {len(samples)} images, cache {stats.latents_encoded + stats.texts_encoded} encoded / "
-        f"{stats.latents_reused + stats.texts_reused} reused")
+    out(f"data: {data.summary}")
 
     with rec.phase("load_model"):
         weight_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
@@ -151,8 +147,8 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         model.train()
         params = lora.trainable_parameters(model)
         optimizer = make_optimizer(cfg, params)
-        batcher = Batcher(samples, cfg.train.batch_size, cfg.train.seed, accelerator.process_index,
-                          accelerator.num_processes)
+        batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, accelerator.process_index,
+                          accelerator.num_processes, collate=family.collate)
         total = total_updates(cfg, batcher.per_epoch)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.train.scheduler, cfg.train.warmup_steps, total))
@@ -183,7 +179,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         return path
 
     rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
-            dataset_version=dataset_version(the_plan.scan.items), dataset_items=len(samples),
+            dataset_version=data.version, dataset_items=len(data.samples),
             trainable_parameters=n_params, total_updates=total, resumed_from=start or None, memory=memory.facts)
     with rec.phase("checksums"):
         rec.set(model_checksums=record.folder_checksums(model_dir))

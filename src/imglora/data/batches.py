@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -22,13 +23,15 @@ class BatchRef:
 
 
 class Batcher:
-    def __init__(self, samples: list[Sample], batch_size: int, seed: int, rank: int = 0, world: int = 1):
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int, rank: int = 0, world: int = 1,
+                 collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None):
         if not samples:
             raise ValueError("no training samples")
         self.samples = samples
         self.batch_size = batch_size
         self.seed = seed
         self.rank, self.world = rank, world
+        self.collate = collate or stack
         self.per_epoch = len(self._epoch(0))
 
     def _epoch(self, epoch: int) -> list[BatchRef]:
@@ -57,4 +60,9 @@ class Batcher:
     def batch(self, micro_index: int, device: torch.device) -> dict[str, torch.Tensor]:
         ref = self.ref(micro_index)
         entries = [self.samples[i].variants[v] for i, v in zip(ref.indices, ref.variants)]
-        return {k: torch.stack([e[k] for e in entries]).to(device, non_blocking=True) for k in entries[0]}
+        return {k: t.to(device, non_blocking=True) for k, t in self.collate(entries).items()}
+
+
+def stack(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batch same-shaped entries (one bucket) by stacking each tensor."""
+    return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}

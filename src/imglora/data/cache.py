@@ -342,3 +342,24 @@ def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torc
             fill_cache(cfg, family, model_dir, device, the_plan)
     items = {s.item.path: s.item for s in the_plan.latents}
     return [Sample(items[p].bucket, items[p].repeats, tuple(v)) for p, v in by_item.items()]
+
+
+@dataclass
+class PreparedData:
+    """What the training loop needs from a family's data preparation."""
+
+    samples: list[Sample]
+    version: str  # dataset version (a hash over the content)
+    warnings: tuple[str, ...]
+    summary: str  # one line for the user
+
+
+def prepare_images(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str") -> PreparedData:
+    """Fill the cache for whatever is missing (encoders loaded only then, and freed), load it."""
+    from .dataset import dataset_version
+
+    the_plan, stats = fill_cache(cfg, family, model_dir, device)
+    samples = load_samples(cfg, family, model_dir, device, the_plan)
+    return PreparedData(samples, dataset_version(the_plan.scan.items), the_plan.scan.warnings,
+                        f"{len(samples)} images, cache {stats.latents_encoded + stats.texts_encoded} encoded / "
+                        f"{stats.latents_reused + stats.texts_reused} reused")

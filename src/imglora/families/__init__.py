@@ -32,6 +32,19 @@ class Family(Protocol):
     def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any: ...
     def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]: ...
 
+    # -- training ---------------------------------------------------------------------------
+    def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any: ...  # -> PreparedData
+    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
+    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "Trainable": ...
+
+
+class Trainable(Protocol):
+    """The trained module and the family's loss: the only family code in a training step."""
+
+    model: torch.nn.Module
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor: ...
+
 
 def get_family(name: str) -> Family:
     from .flux import FluxFamily

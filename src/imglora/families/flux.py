@@ -70,6 +70,16 @@ class FluxFamily:
         return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
     # -- training ---------------------------------------------------------------------------
+    def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any:
+        from ..data.cache import prepare_images
+
+        return prepare_images(cfg, self, model_dir, device)
+
+    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        from ..data.batches import stack
+
+        return stack(entries)
+
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "FluxTrainable":
         from diffusers import FluxTransformer2DModel
 

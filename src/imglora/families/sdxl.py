@@ -65,6 +65,16 @@ class SdxlFamily:
         return {"prompt_embeds": torch.cat(hidden, dim=-1)[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
     # -- training ---------------------------------------------------------------------------
+    def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any:
+        from ..data.cache import prepare_images
+
+        return prepare_images(cfg, self, model_dir, device)
+
+    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        from ..data.batches import stack
+
+        return stack(entries)
+
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "SdxlTrainable":
         from diffusers import DDPMScheduler, UNet2DConditionModel
 
