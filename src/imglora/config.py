@@ -79,6 +79,9 @@ class DataConfig:
     flip: bool = _f(False, help="Also train on horizontally flipped images (both are cached).")
     skip_bad_images: bool = _f(False, help="Skip unreadable images with a warning instead of failing.")
     repeats: int = _f(1, help="Repeats for images directly in data.dir.", min=1, max=10000)
+    file: str = _f("", help="LLM: JSONL of conversations, one {\"messages\": [...]} per line.")
+    max_seq_len: int = _f(2048, help="LLM: tokens per example; longer conversations are truncated.",
+                          min=16, max=1_000_000)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class MemoryConfig:
                                     min=-1, max=1000)
     single_blocks_to_swap: int = _f(-1, help="FLUX: explicit single-block count; -1 = from blocks_to_swap.",
                                     min=-1, max=1000)
+    quantization: Literal["none", "qint4", "nf4"] = _f(
+        "none", help="LLM: 4-bit frozen base weights: qint4 (optimum-quanto) or nf4 (bitsandbytes, CUDA).")
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,11 @@ class EvalConfig:
     guidance_scale: float = _f(0.0, help="CFG / FLUX guidance at evaluation; 0 = family default.", min=0.0, max=100.0)
     seed: int = _f(0, help="Seed of the evaluation images.", min=0, max=2**32 - 1)
     holdout: int = _f(0, help="Images held out of training for the held-out loss.", min=0, max=100_000)
+    holdout_fraction: float = _f(0.0, help="LLM: fraction of conversations held out for validation.",
+                                 min=0.0, max=0.9)
+    holdout_file: str = _f("", help="LLM: a separate JSONL of validation conversations.")
+    every: int = _f(0, help="Validation loss on the held-out data every N updates during training; 0 = off.",
+                    min=0, max=10_000_000)
 
 
 @dataclass(frozen=True)
@@ -452,6 +462,11 @@ def _cross_checks(cfg: Config, where, problems: list[str]) -> None:
     t, m, d = cfg.train, cfg.memory, cfg.data
     if t.max_steps == 0 and t.epochs == 0:
         problems.append(f"{where('train.max_steps')}: set train.max_steps or train.epochs to a positive number")
+    if cfg.model.family == "llm" and not d.file:
+        problems.append(f"{where('data.file')}: missing required key for the llm family (a JSONL of conversations)")
+    if cfg.memory.quantization != "none" and cfg.model.family != "llm":
+        problems.append(f"{where('memory.quantization')}: 4-bit quantization is for the llm family; "
+                        "image families use memory.fp8")
     if cfg.model.family in ("sdxl", "flux") and not d.dir:
         problems.append(f"{where('data.dir')}: missing required key for the {cfg.model.family} family "
                         "(the folder of training images)")

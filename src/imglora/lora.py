@@ -87,3 +87,12 @@ def save_for_diffusers(family: "Family", model: nn.Module, config: Any, folder: 
     pipeline.save_lora_weights(folder, **{f"{family.denoiser}_lora_layers": adapter_state_dict(model),
                                           f"{family.denoiser}_lora_adapter_metadata": meta})
     return folder / ADAPTER_FILE
+
+
+def read_diffusers_adapter(family: "Family", folder: Path) -> dict[str, torch.Tensor]:
+    """The LoRA state (keys without the ``unet.``/``transformer.`` prefix) of a saved adapter."""
+    from safetensors.torch import load_file
+
+    prefix = f"{family.denoiser}."
+    weights = load_file(str(Path(folder) / ADAPTER_FILE))
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}

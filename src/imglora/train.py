@@ -141,8 +141,6 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         lora_config = lora.inject(model, family, cfg.lora, cfg.train.seed)
         for p in lora.trainable_parameters(model):
             p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
-        if cfg.memory.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
         memory = apply_memory(model, family, cfg.memory, device, out)  # fp8, block swap, then to the device
         model.train()
         params = lora.trainable_parameters(model)
@@ -162,12 +160,12 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     config_hash = cfg.hash()
     start = 0
     if resume:
-        start = _resume(cfg, run_dir, model, optimizer, scheduler, config_dict, out)
+        start = _resume(cfg, family, run_dir, model, optimizer, scheduler, config_dict, out)
     log_path = run_dir / "log.jsonl"
     history = _read_log(log_path, upto=start)
 
     def write_adapter(folder: Path) -> Path:
-        return lora.save_for_diffusers(family, accelerator.unwrap_model(model), lora_config, folder)
+        return family.save_adapter(accelerator.unwrap_model(model), lora_config, folder)
 
     def save_checkpoint(step: int) -> Path:
         t0 = time.perf_counter()
@@ -234,6 +232,11 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
                     tb.add_scalar("loss", loss_value, step)
                     tb.add_scalar("lr", row["lr"], step)
                 out(_progress_line(step, total, row, step_times, device))
+            if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
+                val = validation_loss(trainable, data.validation, family.collate, device, memory, cfg.train.seed)
+                history.append({"step": step, "val_loss": val, "time": time.time()})
+                _append_log(log_path, history[-1])
+                out(f"  validation loss at update {step}: {val:.4f} ({len(data.validation)} held-out examples)")
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != total:
                 _check_finite(first_bad, run_dir, last_good_ckpt)
                 with rec.phase("checkpoints"):
@@ -251,15 +254,16 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     adapter = None
     if not interrupted:
         with atomic.atomic_dir(run_dir / "adapter") as tmp:
-            write_adapter(tmp)
-        adapter = run_dir / "adapter" / lora.ADAPTER_FILE
+            adapter = run_dir / "adapter" / write_adapter(tmp).relative_to(tmp)
     _plot_loss(history, run_dir / "loss.png")
     if tb:
         tb.close()
     mem = telemetry.memory(device)
     rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
             sec_per_update=telemetry.steady_state(step_times, WARMUP_UPDATES), peak_memory=mem,
-            final_loss=history[-1]["loss"] if history else None, adapter=str(adapter) if adapter else None,
+            final_loss=next((r["loss"] for r in reversed(history) if "loss" in r), None),
+            final_val_loss=next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None),
+            adapter=str(adapter) if adapter else None,
             last_checkpoint=str(ckpt_path) if ckpt_path else None,
             lora={"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": sorted(lora_config.target_modules)
                   if isinstance(lora_config.target_modules, set) else lora_config.target_modules})
@@ -277,7 +281,23 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
 # ----------------------------------------------------------------------------------------------
 
 
-def _resume(cfg: Config, run_dir: Path, model: Any, optimizer: Any, scheduler: Any, config_dict: dict[str, Any],
+@torch.no_grad()
+def validation_loss(trainable: Any, samples: list[Any], collate: Callable, device: torch.device, memory: Any,
+                    seed: int) -> float:
+    """Mean loss over held-out samples with fixed noise per sample: comparable across updates and runs."""
+    model = trainable.model
+    was_training = model.training
+    model.eval()  # no dropout
+    total = 0.0
+    for i, sample in enumerate(samples):
+        batch = {k: v.to(device) for k, v in collate([sample.variants[0]]).items()}
+        memory.before_forward()
+        total += float(trainable.loss(batch, torch.Generator(device=device).manual_seed(seed + 7919 * i)))
+    model.train(was_training)
+    return total / len(samples)
+
+
+def _resume(cfg: Config, family: Any, run_dir: Path, model: Any, optimizer: Any, scheduler: Any, config_dict: dict[str, Any],
             out: Callable[[str], None]) -> int:
     ckpts = checkpoint.list_checkpoints(run_dir)
     if not ckpts:
@@ -291,9 +311,7 @@ def _resume(cfg: Config, run_dir: Path, model: Any, optimizer: Any, scheduler: A
             + "\n  ".join(diffs) + f"\nRestore them, or start a new run (another run.name).")
     from safetensors.torch import load_file
 
-    weights = load_file(str(state["adapter_dir"] / lora.ADAPTER_FILE))
-    prefix = next(iter(weights)).split(".", 1)[0] + "."
-    lora.load_adapter_state(_unwrap(model), {k[len(prefix):]: v for k, v in weights.items()})
+    lora.load_adapter_state(_unwrap(model), family.read_adapter(state["adapter_dir"]))
     optimizer.load_state_dict(state["optimizer_state"])
     scheduler.load_state_dict(state["scheduler"])
     checkpoint.restore_rng(state)
@@ -359,15 +377,19 @@ def _plot_loss(history: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in history]
-    losses = [r["loss"] for r in history]
+    rows = [r for r in history if "loss" in r]
+    steps = [r["step"] for r in rows]
+    losses = [r["loss"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(steps, losses, lw=1, alpha=0.5, label="loss")
+    ax.plot(steps, losses, lw=1, alpha=0.5, label="training loss")
     k = max(1, len(losses) // 10)
-    if len(losses) > k:
+    if len(losses) > k > 1:
         smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
                   for i in range(len(losses))]
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({k})")
+    val = [r for r in history if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", lw=2, label="validation loss")
     ax.set_xlabel("optimizer update")
     ax.set_ylabel("loss")
     ax.set_title(path.parent.name)

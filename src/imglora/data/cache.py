@@ -352,6 +352,7 @@ class PreparedData:
     version: str  # dataset version (a hash over the content)
     warnings: tuple[str, ...]
     summary: str  # one line for the user
+    validation: list[Sample] = field(default_factory=list)  # held out; loss only, never trained on
 
 
 def prepare_images(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str") -> PreparedData:

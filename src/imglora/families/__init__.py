@@ -36,6 +36,8 @@ class Family(Protocol):
     def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any: ...  # -> PreparedData
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "Trainable": ...
+    def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path: ...  # the main file
+    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]: ...  # LoRA state keyed by module path
 
 
 class Trainable(Protocol):

@@ -75,6 +75,16 @@ class FluxFamily:
 
         return prepare_images(cfg, self, model_dir, device)
 
+    def save_adapter(self, model: Any, peft_config: Any, folder: Path) -> Path:
+        from ..lora import save_for_diffusers
+
+        return save_for_diffusers(self, model, peft_config, folder)
+
+    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
+        from ..lora import read_diffusers_adapter
+
+        return read_diffusers_adapter(self, folder)
+
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         from ..data.batches import stack
 
@@ -85,6 +95,8 @@ class FluxFamily:
 
         # Loaded on the CPU: fp8 quantization and block swapping decide what goes to the device.
         transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype)
+        if cfg.memory.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
         return FluxTrainable(transformer, cfg.train)
 
 

@@ -70,6 +70,16 @@ class SdxlFamily:
 
         return prepare_images(cfg, self, model_dir, device)
 
+    def save_adapter(self, model: Any, peft_config: Any, folder: Path) -> Path:
+        from ..lora import save_for_diffusers
+
+        return save_for_diffusers(self, model, peft_config, folder)
+
+    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
+        from ..lora import read_diffusers_adapter
+
+        return read_diffusers_adapter(self, folder)
+
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         from ..data.batches import stack
 
@@ -79,6 +89,8 @@ class SdxlFamily:
         from diffusers import DDPMScheduler, UNet2DConditionModel
 
         unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=dtype)
+        if cfg.memory.gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
         # The training-time view of the noise schedule; the pipeline's sampler config only
         # contributes the betas and the prediction type.
         scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
