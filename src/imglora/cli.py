@@ -131,5 +131,29 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
         sys.exit(130)
 
 
+@main.command("export")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--checkpoint", default="latest", show_default=True,
+              help="latest, final, or a checkpoint's update number.")
+@click.option("--comfyui", "comfyui", type=click.Path(file_okay=False), default=None,
+              help="ComfyUI folder: writes models/loras/<name>.safetensors (honours extra_model_paths.yaml).")
+@click.option("--out", type=click.Path(), default=None, help="Write to this file (or folder) instead.")
+@click.option("--name", default=None, help="File name without extension; default: the run's name.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Precision of the exported tensors; default: the preset's export.dtype (bf16).")
+@click.option("--format", "fmt", type=click.Choice(["default", "kohya"]), default=None,
+              help="Key layout; default: kohya form for SDXL, diffusers form for FLUX (both load in ComfyUI).")
+@click.option("--force", is_flag=True, help="Replace an existing file.")
+def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | None, name: str | None,
+               dtype: str | None, fmt: str | None, force: bool) -> None:
+    """Write a ComfyUI-ready .safetensors (and two ComfyUI workflows) from a run."""
+    from .export import export
+
+    r = export(Path(run_dir), checkpoint=checkpoint, comfyui=Path(comfyui) if comfyui else None,
+               out=Path(out) if out else None, name=name, dtype=dtype, fmt=fmt, force=force)
+    click.echo(f"exported {r.n_tensors} tensors ({r.format} form, {r.source}) to {r.path}")
+    click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
