@@ -24,7 +24,7 @@ from .errors import ImgloraError
 # Keys that do not change what is trained: they may differ on --resume.
 RESUME_NEUTRAL = (
     "run.", "eval.", "export.", "cache.dir", "data.dir", "train.checkpoint_every", "train.keep_checkpoints",
-    "train.log_every", "train.eval_after", "memory.blocks_to_swap", "memory.double_blocks_to_swap",
+    "train.log_every", "train.eval_after", "train.budget.", "memory.gradient_checkpointing", "memory.blocks_to_swap", "memory.double_blocks_to_swap",
     "memory.single_blocks_to_swap",
 )
 

@@ -76,15 +76,8 @@ def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: 
         block_list = list(getattr(model, name))
         blocks += block_list
         mask += swap_mask(len(block_list), n)
-    # Everything outside the block lists (embedders, final layers) lives on the device.
-    for name, child in model.named_children():
-        if name not in family.swappable_blocks:
-            to_device(child, device)
-    for p in model._parameters.values():
-        if p is not None:
-            p.data = p.data.to(device)
     setup.swapper = BlockSwapper(blocks, mask, device)
-    setup.swapper.install()
+    setup.swapper.install(root=model)  # also moves everything outside the block lists to the device
     stats = setup.swapper.stats
     setup.facts["swap"] = {"blocks_per_list": dict(zip(family.swappable_blocks, counts)),
                            "swapped_blocks": stats.n_swapped, "device_buffer_bytes": stats.device_buffer_bytes}

@@ -1,0 +1,858 @@
+"""Block swapping: stream the frozen weights of some blocks from pinned host memory to the GPU.
+
+A model too large for the GPU is trained by keeping the *frozen* tensors of some blocks (the
+"swapped" blocks) in host memory and copying each one into a reusable device buffer (a "slot")
+just before it runs: in forward, in the gradient-checkpoint recompute and in backward. Trainable
+parameters (LoRA) and their optimizer state never move.
+
+Design, against kohya sd-scripts' ``custom_offloading_utils`` (the reference users know):
+
+* **Host-to-device only.** Each swapped block has one immutable copy of its frozen tensors in
+  page-locked host memory. Bringing a block in is one ``cudaMemcpyAsync`` of one contiguous buffer;
+  evicting it only re-points its parameters at the host copy. kohya copies the outgoing block back
+  device-to-host on every swap, both ways through pageable memory, between ``synchronize`` calls.
+* **Fixed slots.** Blocks with identical tensor layouts (all FLUX double blocks; all single blocks)
+  share a pool of ``slots_per_shape`` device buffers allocated once in :meth:`install`. A step
+  allocates nothing.
+* **Ordered with events, no synchronize.** Copies run on a side stream. The compute stream waits on
+  the slot's *ready* event before the block runs; the copy into a slot waits on a *free* event
+  recorded on the compute stream when the slot is reclaimed, which is after every kernel reading
+  the slot's previous block has been queued (see below for backward).
+* **Lazy eviction.** A block stays resident until its slot is needed. At the forward/backward
+  turn-around the last blocks are still resident and are not copied again, likewise at the
+  backward/next-forward turn-around: a step copies ``2 * (m - k)`` blocks per pool of ``m`` swapped
+  blocks and ``k`` slots, host-to-device only (kohya: ``2 * m`` blocks in each direction).
+
+How the engine follows autograd:
+
+* Forward (and checkpoint recompute): a forward pre-hook on every block loads it if needed, makes
+  the compute stream wait on it, and prefetches the next swapped block(s) in the running direction.
+  Recompute is recognised by running inside the autograd engine (graph task id != -1); the
+  direction is then "backward". Non-reentrant checkpoint (diffusers' default) calls ``block.__call__``
+  again, so module hooks fire in recompute; reentrant checkpoint also works (the recompute pre-hook
+  loads on demand and prefetches).
+* Backward: the forward hook registers a gradient hook on every output tensor of the block. It runs
+  when the autograd engine is about to execute the block's last node -- before any recompute and
+  before any of the block's backward kernels -- so it loads the block and prefetches the previous
+  one. ``register_full_backward_pre_hook`` is not used: it wraps inputs/outputs in extra autograd
+  Functions and does not mix well with checkpointing.
+* When is a block's backward *finished* (so its slot may be reused)? The autograd engine executes
+  ready nodes highest sequence number first (``CompareNodeTaskTime``), and every node of block ``i+1``
+  was created after every node of block ``i``. So when block ``i``'s first gradient hook fires, all
+  of block ``i+1``'s nodes have already been executed (their kernels are queued on the compute
+  stream). The free event recorded at that moment therefore orders the slot's reuse after them.
+* Without gradient checkpointing autograd keeps references to weights for backward. Plain leaf
+  references follow ``param.data`` swaps (kohya relies on this), but *views* of a weight saved by an
+  op -- ``F.linear`` saves ``weight.t()`` -- keep pointing at the buffer they were made from. That
+  is harmless only if the block is back in that same buffer when its backward runs: kohya's fixed
+  pairing (and a plain LRU over slots) ensure it for one forward followed by one backward, but any
+  other pass in between (say a no-grad target computed with the same model) re-deals the buffers
+  and the backward silently reads another block's weights. The engine therefore installs
+  ``saved_tensors_hooks`` while a swapped block runs its (non-checkpointed) forward: a saved tensor
+  that lives in a slot is stored as "this dtype/size/stride/offset in block ``b``'s layout" and
+  rebuilt at unpack time on the slot the block occupies then (its backward hook made it resident).
+  Under checkpointing (or any other saved-tensor hooks, e.g. ``save_on_cpu``) the engine does not
+  install its hooks: the outer hooks decide, and checkpoint's recompute saves views that are used
+  while the block is resident.
+
+Tensor subclasses (optimum-quanto fp8 weights, ``WeightQBytesTensor`` with ``_data`` and ``_scale``)
+are handled generically through ``__tensor_flatten__``: their inner tensors are laid out in the
+slot like any other tensor, and the module attribute is pointed at a wrapper built once per slot.
+
+Without CUDA (``device`` is the CPU) the same schedule runs with host-to-host copies into CPU slot
+buffers, so order and invariants are testable anywhere; it saves no memory and warns once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import logging
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .fp8 import to_device
+
+__all__ = ["BlockSwapper", "PoolStats", "SwapEvent", "SwapStats", "kohya_split", "swap_mask"]
+
+log = logging.getLogger(__name__)
+
+# Offsets of tensors inside a block buffer: the CUDA caching allocator's granularity, so every view
+# is as aligned as a tensor of its own (vectorised and fp8/Marlin-style kernels assume >= 16 bytes).
+_ALIGN = 256
+
+_warned_cpu = False
+
+
+# --------------------------------------------------------------------------------------- public API
+
+
+class SwapEvent(NamedTuple):
+    kind: str  # "load" (copy into a slot issued), "run" (block about to compute), "evict"
+    block: int  # index into the ``blocks`` given to BlockSwapper
+    phase: str  # "forward", "recompute" or "backward"
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    n_blocks: int
+    """Swapped blocks sharing this tensor layout."""
+    n_slots: int
+    """Device buffers for them (``min(slots_per_shape, n_blocks)``)."""
+    block_bytes: int
+    """Bytes of one block's frozen tensors as laid out in a slot (with alignment padding)."""
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    n_swapped: int
+    slots: int
+    """Device buffers in all pools; never grows after :meth:`BlockSwapper.install`."""
+    device_buffer_bytes: int
+    h2d_bytes: int
+    """Bytes copied host-to-device by the schedule since install."""
+    d2h_bytes: int
+    """Bytes copied device-to-host by the schedule since install (always 0: nothing is copied back)."""
+    loads: int
+    """Block copies issued since install."""
+    demand_loads: int
+    """Of those, copies issued when the block was already needed (not prefetched): stalls."""
+    buffer_allocations: int
+    """Device buffers allocated since install (== ``slots``: no allocation per step)."""
+    pinned: bool
+    """Whether the host copies are page-locked (only with CUDA)."""
+    pools: tuple[PoolStats, ...]
+    events: tuple[SwapEvent, ...] = ()
+
+
+def kohya_split(n: int, n_double: int, n_single: int) -> tuple[int, int]:
+    """kohya sd-scripts' meaning of "swap ``n`` FLUX blocks": ``(n // 2, (n - n // 2) * 2)``
+    double and single blocks (a single block has about half a double block's parameters)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"number of blocks to swap must be an int, got {n!r}")
+    if n < 0:
+        raise ValueError(f"number of blocks to swap must be >= 0, got {n}")
+    n_d, n_s = n // 2, (n - n // 2) * 2
+    if n_d > n_double or n_s > n_single:
+        # floor(k/2) <= n_double and 2*ceil(k/2) <= n_single
+        largest = min(2 * n_double + 1, 2 * (n_single // 2))
+        raise ValueError(
+            f"swapping {n} blocks means {n_d} double and {n_s} single blocks (kohya's convention: "
+            f"n//2 double + (n - n//2)*2 single), but the model has {n_double} double and {n_single} "
+            f"single blocks; the largest valid number is {largest}"
+        )
+    return n_d, n_s
+
+
+def swap_mask(n_blocks: int, n_swap: int) -> list[bool]:
+    """Swap the *last* ``n_swap`` of ``n_blocks`` blocks, as kohya does (``ModelOffloader`` keeps
+    ``blocks[:n - n_swap]`` on the GPU). The resident first blocks give the first swapped block's
+    copy a whole stretch of compute to hide behind, and the last blocks, needed first by backward,
+    are the ones still resident when forward ends."""
+    if not 0 <= n_swap <= n_blocks:
+        raise ValueError(f"cannot swap {n_swap} of {n_blocks} blocks: need 0 <= n_swap <= {n_blocks}")
+    return [i >= n_blocks - n_swap for i in range(n_blocks)]
+
+
+# ------------------------------------------------------------------------------- layout of a block
+
+
+class _Leaf(NamedTuple):
+    """A plain tensor's place in a block buffer."""
+
+    offset: int  # bytes from the start of the block buffer
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return _span(self.size, self.stride) * self.dtype.itemsize
+
+
+@dataclass
+class _Entry:
+    """One frozen parameter/buffer of a block (possibly registered under several names)."""
+
+    name: str  # first "module.attr" name within the block
+    targets: list[tuple[nn.Module, str, bool]]  # (module, attribute, is_parameter)
+    tensor: torch.Tensor  # the object found at install (plain entries keep it and swap .data)
+    wrapped: bool  # a tensor subclass: swapped by re-assigning the module attribute
+
+
+def _span(size: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from the first to the last element of a strided tensor, inclusive."""
+    if any(s == 0 for s in size):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(size, stride))
+
+
+def _dense_layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Size and stride to store ``t`` with: its own strides if they cover exactly ``numel`` elements
+    (contiguous or a permutation, e.g. a transposed weight), else contiguous."""
+    size, stride = tuple(t.shape), tuple(t.stride())
+    if all(st >= 0 for st in stride) and _span(size, stride) == t.numel():
+        return size, stride
+    return size, tuple(torch.empty(size, device="meta").stride())
+
+
+def _flatten(t: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+    """Structure and plain leaf tensors of ``t``; a subclass is opened with ``__tensor_flatten__``."""
+    if not is_traceable_wrapper_subclass(t):
+        return None, [t]
+    names, meta = t.__tensor_flatten__()
+    inner, leaves = [], []
+    for n in names:
+        sub, sub_leaves = _flatten(getattr(t, n))
+        inner.append((n, sub, len(sub_leaves)))
+        leaves.extend(sub_leaves)
+    return (type(t), meta, tuple(t.size()), tuple(t.stride()), tuple(inner)), leaves
+
+
+def _unflatten(struct: Any, leaves: Iterator[torch.Tensor]) -> torch.Tensor:
+    if struct is None:
+        return next(leaves)
+    cls, meta, size, stride, inner = struct
+    tensors = {n: _unflatten(sub, leaves) for n, sub, _ in inner}
+    return cls.__tensor_unflatten__(tensors, meta, size, stride)
+
+
+def _struct_key(struct: Any) -> Any:
+    """Hashable, comparable form of a structure (the metadata of quanto is a dict of strings)."""
+    if struct is None:
+        return None
+    cls, meta, size, stride, inner = struct
+    meta_key = tuple(sorted((k, repr(v)) for k, v in meta.items())) if isinstance(meta, dict) else repr(meta)
+    return (cls.__module__, cls.__qualname__, meta_key, size, stride, tuple((n, _struct_key(s), k) for n, s, k in inner))
+
+
+def _view(buf: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
+    """The tensor described by ``leaf`` inside the uint8 block buffer ``buf``."""
+    return buf[leaf.offset : leaf.offset + leaf.nbytes].view(leaf.dtype).as_strided(leaf.size, leaf.stride)
+
+
+def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _iter_tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _iter_tensors(o)
+    elif hasattr(obj, "to_tuple"):  # diffusers/transformers ModelOutput
+        yield from _iter_tensors(obj.to_tuple())
+
+
+# ---------------------------------------------------------------------------------- engine state
+
+
+@dataclass(eq=False)
+class _Slot:
+    buf: torch.Tensor  # uint8 device buffer, one block
+    objs: list[torch.Tensor]  # per entry: a view (plain) or a Parameter wrapping views (subclass)
+    ready: Any = None  # torch.cuda.Event, recorded on the copy stream after the copy into buf
+    free: Any = None  # torch.cuda.Event, recorded on the compute stream before buf is overwritten
+    occupant: int | None = None
+
+
+@dataclass(eq=False)
+class _Pool:
+    signature: Any
+    entry_structs: list[Any]  # per entry: flatten structure (None for plain tensors)
+    entry_leaves: list[tuple[int, int]]  # per entry: [start, stop) into leaves
+    leaves: list[_Leaf]
+    block_bytes: int
+    members: list[int] = field(default_factory=list)  # block indices, in order
+    hosts: list[torch.Tensor] = field(default_factory=list)  # per member: uint8 host copy, block_bytes
+    pinned: bool = False
+    slots: list[_Slot] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Block:
+    index: int
+    module: nn.Module
+    swapped: bool
+    entries: list[_Entry] = field(default_factory=list)
+    pool: _Pool | None = None
+    pool_pos: int = 0
+    host_objs: list[torch.Tensor] = field(default_factory=list)
+    slot: _Slot | None = None
+    last_use: int = 0
+    saved_hooks: Any = None  # the saved_tensors_hooks context pushed by the pre-hook, if any
+
+
+class _SlotAlias:
+    """A saved tensor that lives in a slot, remembered by position so it can be rebuilt wherever its
+    block is resident at unpack time (see the module docstring)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+def _graph_task_id() -> int:
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if fn is None else fn()
+
+
+def _outer_saved_tensor_hooks_active() -> bool:
+    fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if fn is None:  # a torch without it: assume none (correct, but checkpoint then saves swapped blocks' activations)
+        return False
+    return fn(False) is not None
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+
+class BlockSwapper:
+    """Keeps the frozen tensors of the blocks selected by ``swap`` in host memory and streams them
+    into ``slots_per_shape`` device buffers per tensor layout while the model runs.
+
+    ``blocks``: the blocks in execution order (e.g. FLUX double blocks then single blocks).
+    ``swap``: one bool per block, or a set of block indices.
+    Call order: inject LoRA and quantize first, set ``requires_grad``; then :meth:`install`; then
+    build the optimizer; then each step ``prepare_forward()``, forward, backward, optimizer step.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        swap: Sequence[bool] | set[int] | frozenset[int],
+        device: torch.device | str,
+        *,
+        slots_per_shape: int = 2,
+        record_events: bool = False,
+    ) -> None:
+        blocks = list(blocks)
+        if isinstance(swap, (set, frozenset)):
+            bad = sorted(i for i in swap if not 0 <= i < len(blocks))
+            if bad:
+                raise ValueError(f"swap indices {bad} out of range for {len(blocks)} blocks")
+            mask = [i in swap for i in range(len(blocks))]
+        else:
+            mask = [bool(s) for s in swap]
+            if len(mask) != len(blocks):
+                raise ValueError(f"swap mask has {len(mask)} entries for {len(blocks)} blocks")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("the same module appears twice in blocks")
+        if slots_per_shape < 1:
+            raise ValueError(f"slots_per_shape must be >= 1, got {slots_per_shape}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.slots_per_shape = slots_per_shape
+        # How many swapped blocks ahead to prefetch: all slots but the running block's.
+        self.lookahead = slots_per_shape - 1
+        self.record_events = record_events
+        self._blocks = [_Block(i, b, s) for i, (b, s) in enumerate(zip(blocks, mask))]
+        self._swapped = [b.index for b in self._blocks if b.swapped]
+        self._pools: list[_Pool] = []
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream: Any = None
+        self._handles: list[Any] = []
+        self._installed = False
+        self._tick = itertools.count(1)
+        self._current: int | None = None  # the block running now (forward/recompute) or in backward
+        self._slot_by_ptr: dict[int, _Slot] = {}
+        self._events: list[SwapEvent] = []
+        self._h2d = self._d2h = self._loads = self._demand = self._allocs = 0
+        self._finalizer: Any = None
+        self._pinned: list[torch.Tensor] = []
+        self._warned_no_hooks = False
+        self._warned_pin = False
+
+    # ----------------------------------------------------------------------------- install/remove
+
+    def install(self, root: nn.Module | None = None) -> None:
+        """Move swapped blocks' frozen tensors to (pinned) host memory, allocate the slots and
+        register the hooks. Everything else in ``blocks`` -- non-swapped blocks and all trainable
+        parameters -- is moved to ``device``.
+
+        ``root``: the model the blocks belong to. If given, every tensor of ``root`` outside the
+        swapped blocks (embedders, final layers...) is moved to ``device`` too. Do not call
+        ``root.to(...)`` after install: it would copy the host-resident weights to the device.
+        """
+        if self._installed:
+            raise RuntimeError("BlockSwapper.install() called twice; call remove() first")
+        global _warned_cpu
+        if not self._cuda and self._swapped and not _warned_cpu:
+            _warned_cpu = True
+            log.warning(
+                "block swap on %s: the swap schedule runs with host-to-host copies, no GPU memory is saved",
+                self.device,
+            )
+        self._collect_entries()
+        if root is not None:
+            inside = {id(m) for i in self._swapped for m in self._blocks[i].module.modules()}
+            for mod in root.modules():
+                if id(mod) not in inside:
+                    to_device(mod, self.device, recurse=False)
+        self._events = []
+        self._h2d = self._d2h = self._loads = self._demand = self._allocs = 0
+        for blk in self._blocks:
+            if not blk.swapped:
+                to_device(blk.module, self.device)
+                continue
+            # Trainable parameters (LoRA) stay on the device for good; .data keeps their identity.
+            for p in blk.module.parameters():
+                if p.requires_grad and p.device != self.device:
+                    p.data = p.data.to(self.device)
+        self._build_pools()
+        if self._cuda:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        self._pinned = []
+        # Unpins even if remove() is never called. The finalizer holds the buffers, so they are
+        # unregistered before they can be freed (freeing registered memory is undefined in CUDA).
+        self._finalizer = weakref.finalize(self, _unpin_all, self._pinned)
+        for pool in self._pools:
+            self._stage_host(pool)
+            self._alloc_slots(pool)
+        self._register_hooks()
+        self._installed = True
+
+    def remove(self) -> None:
+        """Remove the hooks and put every swapped block's frozen tensors back on ``device`` (for
+        evaluation or export). Frees the slots and the host copies."""
+        if not self._installed:
+            return
+        if self._cuda:
+            # Prefetches may still be in flight; nothing may be freed or re-pointed under them.
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for blk in self._blocks:
+            if blk.saved_hooks is not None:
+                blk.saved_hooks.__exit__(None, None, None)
+                blk.saved_hooks = None
+            if not blk.swapped:
+                continue
+            for e, host_obj in zip(blk.entries, blk.host_objs):
+                if e.wrapped:
+                    dev = nn.Parameter(_copy_to(host_obj.detach(), self.device), requires_grad=False)
+                    self._set_targets(e, dev)
+                else:
+                    e.tensor.data = _copy_to(host_obj, self.device)
+            blk.slot = None
+            blk.host_objs = []
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # the copies above read the host buffers we free now
+        if self._finalizer is not None:
+            self._finalizer()  # unpin (a no-op without CUDA: nothing was pinned)
+            self._finalizer = None
+        for pool in self._pools:
+            pool.hosts = []
+            pool.slots = []
+        self._pools = []
+        self._slot_by_ptr = {}
+        self._copy_stream = None
+        self._current = None
+        self._installed = False
+
+    def _collect_entries(self) -> None:
+        """Find each swapped block's frozen tensors; refuse tensors shared between blocks."""
+        owner: dict[int, int] = {}  # id(tensor) -> block index, for every tensor of every block
+        for blk in self._blocks:
+            seen: dict[int, _Entry] = {}
+            blk.entries = []
+            for mod_name, mod in blk.module.named_modules():
+                for is_param, registry in ((True, mod._parameters), (False, mod._buffers)):
+                    for attr, t in registry.items():
+                        if t is None:
+                            continue
+                        other = owner.setdefault(id(t), blk.index)
+                        if other != blk.index and (blk.swapped or self._blocks[other].swapped):
+                            raise ValueError(
+                                f"{mod_name}.{attr} of block {blk.index} is shared with block {other}; "
+                                "a swapped block's tensors must be its own"
+                            )
+                        if not blk.swapped or (is_param and t.requires_grad):
+                            continue
+                        if id(t) in seen:  # tied inside the block: one copy, several names
+                            seen[id(t)].targets.append((mod, attr, is_param))
+                            continue
+                        if t.is_meta:
+                            raise ValueError(f"block {blk.index}: {mod_name}.{attr} is on the meta device")
+                        e = _Entry(
+                            name=f"{mod_name}.{attr}" if mod_name else attr,
+                            targets=[(mod, attr, is_param)],
+                            tensor=t,
+                            wrapped=is_traceable_wrapper_subclass(t),
+                        )
+                        seen[id(t)] = e
+                        blk.entries.append(e)
+
+    def _build_pools(self) -> None:
+        by_sig: dict[Any, _Pool] = {}
+        for i in self._swapped:
+            blk = self._blocks[i]
+            structs, spans, leaves, sig = [], [], [], []
+            offset = 0
+            for e in blk.entries:
+                t = e.tensor
+                if e.wrapped and t.device.type != "cpu":
+                    # Device-specific subclass layouts (quanto's Marlin) do not round-trip through
+                    # the host; the portable layout is rebuilt from host memory below.
+                    t = t.detach().to("cpu")
+                    e.tensor = t
+                struct, plain = _flatten(t)
+                start = len(leaves)
+                for p in plain:
+                    size, stride = _dense_layout(p)
+                    leaf = _Leaf(offset, p.dtype, size, stride)
+                    leaves.append(leaf)
+                    offset += -(-leaf.nbytes // _ALIGN) * _ALIGN
+                structs.append(struct)
+                spans.append((start, len(leaves)))
+                sig.append((e.name, e.wrapped, _struct_key(struct)))
+            sig.append(tuple((lf.dtype, lf.size, lf.stride) for lf in leaves))
+            key = tuple(sig)
+            pool = by_sig.get(key)
+            if pool is None:
+                pool = _Pool(key, structs, spans, leaves, max(offset, _ALIGN))
+                by_sig[key] = pool
+                self._pools.append(pool)
+            blk.pool, blk.pool_pos = pool, len(pool.members)
+            pool.members.append(i)
+
+    def _stage_host(self, pool: _Pool) -> None:
+        """Copy each member's frozen tensors into its own host buffer and point the block at it.
+
+        One buffer per block, filled and re-pointed before the next is allocated: the original
+        tensors are released block by block, so install needs one block of extra host memory,
+        not a second copy of everything that is swapped.
+        """
+        pool.pinned = self._cuda
+        with torch.no_grad():
+            for i in pool.members:
+                blk = self._blocks[i]
+                host, how = self._alloc_host(pool.block_bytes)
+                pool.pinned = pool.pinned and how != "pageable"
+                blk.host_objs = []
+                for e, struct, (a, b) in zip(blk.entries, pool.entry_structs, pool.entry_leaves):
+                    _, plain = _flatten(e.tensor)
+                    views = [_view(host, lf) for lf in pool.leaves[a:b]]
+                    for v, p in zip(views, plain):
+                        v.copy_(p.detach())
+                    if e.wrapped:
+                        obj = nn.Parameter(_unflatten(struct, iter(views)), requires_grad=False)
+                        self._set_targets(e, obj)
+                        e.tensor = obj
+                    else:
+                        obj = views[0]
+                        # Re-pointing .data (not replacing the Parameter) keeps the object that
+                        # modules, peft and autograd hold; the old storage is freed here.
+                        e.tensor.data = obj
+                    blk.host_objs.append(obj)
+                pool.hosts.append(host)
+
+    def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, str]:
+        """A host buffer for one block: "registered", "pinned" (allocator) or "pageable".
+
+        ``pin_memory=True`` goes through PyTorch's caching host allocator, which rounds every
+        allocation up to a power of two (a 283 MB bf16 FLUX single block would take 512 MB of RAM).
+        Registering a plain buffer with cudaHostRegister pins exactly its pages (PyTorch's
+        distributed-checkpoint stager does the same), so that comes first. It can fail where the
+        locked-memory limit is low (containers); the allocator, then pageable memory (synchronous
+        copies, still correct) are the fallbacks.
+        """
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if not self._cuda:
+            return buf, "pageable"
+        try:
+            # flags=1 (cudaHostRegisterPortable), as torch.cuda._pin_memory_utils uses.
+            rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1))
+        except Exception as exc:  # noqa: BLE001 - any failure only means "try the next way"
+            rc = repr(exc)
+        if rc == 0:
+            self._pinned.append(buf)
+            return buf, "registered"
+        try:
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            pinned = None
+        if not self._warned_pin:
+            self._warned_pin = True
+            log.warning(
+                "block swap: cudaHostRegister failed (%s); %s",
+                rc,
+                "using PyTorch's pinned allocator (rounds each block up to a power of two)"
+                if pinned is not None
+                else "host copies are not page-locked, transfers will be synchronous",
+            )
+        return (pinned, "pinned") if pinned is not None else (buf, "pageable")
+
+    def _alloc_slots(self, pool: _Pool) -> None:
+        for _ in range(min(self.slots_per_shape, len(pool.members))):
+            buf = torch.empty(pool.block_bytes, dtype=torch.uint8, device=self.device)
+            self._allocs += 1
+            objs = []
+            for struct, (a, b) in zip(pool.entry_structs, pool.entry_leaves):
+                views = [_view(buf, lf) for lf in pool.leaves[a:b]]
+                if struct is None:
+                    objs.append(views[0])
+                else:
+                    objs.append(nn.Parameter(_unflatten(struct, iter(views)), requires_grad=False))
+            slot = _Slot(buf, objs)
+            if self._cuda:
+                slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
+            pool.slots.append(slot)
+            self._slot_by_ptr[buf.untyped_storage().data_ptr()] = slot
+
+    def _register_hooks(self) -> None:
+        if not self._swapped:
+            return
+        # Hooks on every block, swapped or not: resident blocks trigger prefetches too, which is
+        # what hides the first swapped block's copy behind the resident blocks' compute.
+        for blk in self._blocks:
+            m = blk.module
+            self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre_hook, blk.index)))
+            # always_call: the saved-tensor hooks pushed by the pre-hook must be popped even if the
+            # block raises (checkpoint's early stop raises out of a recompute on purpose).
+            self._handles.append(
+                m.register_forward_hook(functools.partial(self._post_hook, blk.index), always_call=True)
+            )
+
+    @staticmethod
+    def _set_targets(e: _Entry, obj: torch.Tensor) -> None:
+        for mod, attr, is_param in e.targets:
+            (mod._parameters if is_param else mod._buffers)[attr] = obj
+
+    # ----------------------------------------------------------------------------------- per step
+
+    def prepare_forward(self) -> None:
+        """Call before each forward: starts copying the first swapped blocks (if not resident)."""
+        if not self._installed or not self._swapped:
+            return
+        self._current = None
+        window = self._swapped[: max(self.lookahead, 1)]
+        protect = set(window)
+        for j in window:
+            if self._blocks[j].slot is None:
+                self._load(j, "forward", protect, demand=False)
+
+    @property
+    def stats(self) -> SwapStats:
+        slots = [s for p in self._pools for s in p.slots]
+        return SwapStats(
+            n_swapped=len(self._swapped),
+            slots=len(slots),
+            device_buffer_bytes=sum(s.buf.numel() for s in slots),
+            h2d_bytes=self._h2d,
+            d2h_bytes=self._d2h,
+            loads=self._loads,
+            demand_loads=self._demand,
+            buffer_allocations=self._allocs,
+            pinned=bool(self._pools) and all(p.pinned for p in self._pools),
+            pools=tuple(PoolStats(len(p.members), len(p.slots), p.block_bytes) for p in self._pools),
+            events=tuple(self._events),
+        )
+
+    def resident(self) -> list[int]:
+        """Swapped blocks currently in a slot."""
+        return [i for i in self._swapped if self._blocks[i].slot is not None]
+
+    # -------------------------------------------------------------------------------------- hooks
+
+    def _pre_hook(self, index: int, module: nn.Module, args: Any) -> None:
+        in_backward = _graph_task_id() != -1
+        phase, direction = ("recompute", -1) if in_backward else ("forward", 1)
+        blk = self._blocks[index]
+        self._current = index
+        if blk.swapped:
+            self._acquire(index, phase, direction)
+            if phase == "forward" and torch.is_grad_enabled() and not _outer_saved_tensor_hooks_active():
+                hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                try:
+                    hooks.__enter__()
+                except RuntimeError:  # inside torch.autograd.graph.disable_saved_tensors_hooks()
+                    if not self._warned_no_hooks:
+                        self._warned_no_hooks = True
+                        log.warning(
+                            "block swap: saved-tensor hooks are disabled here, so weights saved for "
+                            "backward are not protected; use gradient checkpointing with block swap"
+                        )
+                else:
+                    blk.saved_hooks = hooks
+        self._prefetch(index, direction, phase)
+
+    def _post_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        blk = self._blocks[index]
+        if blk.saved_hooks is not None:
+            blk.saved_hooks.__exit__(None, None, None)
+            blk.saved_hooks = None
+        if output is None or not torch.is_grad_enabled() or _graph_task_id() != -1:
+            return  # no backward will come (or this is a recompute, whose outputs are discarded)
+        tensors = [t for t in _iter_tensors(output) if t.requires_grad]
+        if not tensors:
+            return
+        fired = [None]  # graph task that already handled this forward's outputs
+
+        def on_grad(grad: torch.Tensor) -> None:
+            task = _graph_task_id()
+            if fired[0] != task:
+                fired[0] = task
+                self._enter_backward(index)
+
+        for t in tensors:
+            t.register_hook(on_grad)
+
+    def _enter_backward(self, index: int) -> None:
+        """The autograd engine is about to run block ``index``'s last node."""
+        blk = self._blocks[index]
+        self._current = index
+        if blk.swapped:
+            self._acquire(index, "backward", -1)
+        self._prefetch(index, -1, "backward")
+
+    # ------------------------------------------------------------------------------- schedule core
+
+    def _window(self, index: int, direction: int) -> list[int]:
+        """The next ``lookahead`` swapped blocks after ``index`` in ``direction``."""
+        if direction > 0:
+            pos = bisect.bisect_right(self._swapped, index)
+            return self._swapped[pos : pos + self.lookahead]
+        pos = bisect.bisect_left(self._swapped, index)
+        return self._swapped[max(pos - self.lookahead, 0) : pos][::-1]
+
+    def _acquire(self, index: int, phase: str, direction: int) -> None:
+        blk = self._blocks[index]
+        if blk.slot is None:
+            protect = {index, *self._window(index, direction)}
+            if not self._load(index, phase, protect, demand=True):
+                raise RuntimeError(f"block swap: no slot free for block {index} (internal error)")
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_event(blk.slot.ready)
+        blk.last_use = next(self._tick)
+        if self.record_events:
+            self._events.append(SwapEvent("run", index, phase))
+
+    def _prefetch(self, index: int, direction: int, phase: str) -> None:
+        window = self._window(index, direction)
+        protect = {index, *window}
+        for j in window:
+            if self._blocks[j].slot is None:
+                self._load(j, phase, protect, demand=False)
+
+    def _pick_slot(self, pool: _Pool, protect: set[int]) -> _Slot | None:
+        best = None
+        for s in pool.slots:
+            if s.occupant is None:
+                return s
+            if s.occupant in protect or s.occupant == self._current:
+                continue
+            if best is None or self._blocks[s.occupant].last_use < self._blocks[best.occupant].last_use:
+                best = s
+        return best
+
+    def _load(self, index: int, phase: str, protect: set[int], *, demand: bool) -> bool:
+        blk = self._blocks[index]
+        pool = blk.pool
+        slot = self._pick_slot(pool, protect)
+        if slot is None:
+            return False  # every slot holds a block needed sooner; it will be loaded on demand
+        if slot.occupant is not None:
+            self._evict(slot, phase)
+        src = pool.hosts[blk.pool_pos]
+        if self._cuda:
+            # Everything that reads the slot's previous block is already queued on the compute
+            # stream (forward: that block returned; backward: see the module docstring), so an
+            # event recorded now is the point after which the buffer may be overwritten.
+            slot.free.record(torch.cuda.current_stream(self.device))
+            self._copy_stream.wait_event(slot.free)
+            with torch.cuda.stream(self._copy_stream):
+                slot.buf.copy_(src, non_blocking=pool.pinned)
+                slot.ready.record(self._copy_stream)
+        else:
+            slot.buf.copy_(src)
+        for e, obj in zip(blk.entries, slot.objs):
+            if e.wrapped:
+                self._set_targets(e, obj)
+            else:
+                e.tensor.data = obj
+        slot.occupant, blk.slot = index, slot
+        self._h2d += pool.block_bytes
+        self._loads += 1
+        self._demand += demand
+        if self.record_events:
+            self._events.append(SwapEvent("load", index, phase))
+        return True
+
+    def _evict(self, slot: _Slot, phase: str) -> None:
+        blk = self._blocks[slot.occupant]
+        # No copy back: the host copy is the weights (frozen), re-pointing is all eviction takes.
+        for e, obj in zip(blk.entries, blk.host_objs):
+            if e.wrapped:
+                self._set_targets(e, obj)
+            else:
+                e.tensor.data = obj
+        if self.record_events:
+            self._events.append(SwapEvent("evict", blk.index, phase))
+        slot.occupant, blk.slot = None, None
+
+    # ------------------------------------------------------------- saved tensors without checkpoint
+
+    def _alias_spec(self, t: torch.Tensor) -> Any:
+        if is_traceable_wrapper_subclass(t):
+            names, meta = t.__tensor_flatten__()
+            inner = {n: self._alias_spec(getattr(t, n)) for n in names}
+            if all(s is None for s in inner.values()):
+                return None
+            inner = {n: (s if s is not None else ("raw", getattr(t, n))) for n, s in inner.items()}
+            return ("sub", type(t), meta, tuple(t.size()), tuple(t.stride()), inner)
+        try:
+            slot = self._slot_by_ptr.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage (other subclasses, functional tensors)
+            return None
+        if slot is None:
+            return None
+        return ("view", slot.occupant, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        spec = self._alias_spec(t)
+        return t if spec is None else _SlotAlias(spec)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return self._rebuild(packed.spec) if isinstance(packed, _SlotAlias) else packed
+
+    def _rebuild(self, spec: Any) -> torch.Tensor:
+        kind = spec[0]
+        if kind == "raw":
+            return spec[1]
+        if kind == "sub":
+            _, cls, meta, size, stride, inner = spec
+            return cls.__tensor_unflatten__({n: self._rebuild(s) for n, s in inner.items()}, meta, size, stride)
+        _, index, dtype, size, stride, offset = spec
+        slot = self._blocks[index].slot
+        if slot is None:
+            raise RuntimeError(f"block swap: block {index}'s weights were unpacked while not resident (internal error)")
+        return slot.buf.view(dtype).as_strided(size, stride, offset)
+
+
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` with its own storage (never a view of a swap buffer)."""
+    if is_traceable_wrapper_subclass(t):
+        names, meta = t.__tensor_flatten__()
+        inner = {n: _copy_to(getattr(t, n), device) for n in names}
+        return type(t).__tensor_unflatten__(inner, meta, t.size(), t.stride())
+    return t.to(device, copy=True)
+
+
+def _unpin_all(bufs: list[torch.Tensor]) -> None:
+    for buf in bufs:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+    bufs.clear()
