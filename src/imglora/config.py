@@ -103,6 +103,18 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class BudgetConfig:
+    max_cost: float = _f(0.0, help="Stop (with a checkpoint) when the projected session cost exceeds this; "
+                                   "0 = no limit. Needs hourly_rate.", min=0.0, max=1e9)
+    hourly_rate: float = _f(0.0, help="What the machine costs per hour, in your currency.", min=0.0, max=1e6)
+    max_hours: float = _f(0.0, help="Stop (with a checkpoint) when the projected session exceeds this many "
+                                    "hours; 0 = no limit.", min=0.0, max=1e6)
+    smoke_steps: int = _f(20, help="Measured updates (after warm-up) before the session is projected.",
+                          min=1, max=100_000)
+    currency: str = _f("USD", help="Shown with costs.")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = _f(0, help="Optimizer updates to run; 0 = use epochs.", min=0, max=10_000_000)
     epochs: int = _f(0, help="Passes over the dataset (with repeats), used when max_steps = 0.",
@@ -141,6 +153,7 @@ class TrainConfig:
         "none", help="FLUX: weighting of the flow-matching loss over noise levels (as SD3 / kohya).")
     guidance: float = _f(1.0, help="FLUX: guidance embedding value during training.", min=0.0, max=100.0)
     eval_after: bool = _f(False, help="Run `imglora eval` in a fresh process after training.")
+    budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Budget guard."})
 
 
 @dataclass(frozen=True)
@@ -328,11 +341,13 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str], origin:
     if not sep or "." not in key:
         problems.append(f"--set {item}: expected section.key=value, e.g. --set train.max_steps=100")
         return
-    section, _, name = key.partition(".")
-    table = raw.setdefault(section, {})
-    if not isinstance(table, dict):
-        problems.append(f"--set {key}: [{section}] is not a section")
-        return
+    *tables, name = key.split(".")
+    table = raw
+    for depth, part in enumerate(tables):
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            problems.append(f"--set {key}: {'.'.join(tables[:depth + 1])} is not a table")
+            return
     table[name] = parse_override_value(value.strip())
     origin[key] = "--set"
 
@@ -390,13 +405,23 @@ def _build_section(name: str, cls: type, table: dict[str, Any], where, problems:
     values: dict[str, Any] = {}
     ok = True
     for key, value in table.items():
+        dotted = f"{name}.{key}"
         if key not in hints:
-            problems.append(f"{where(f'{name}.{key}')}: unknown key{_did_you_mean(key, names)}")
+            problems.append(f"{where(dotted)}: unknown key{_did_you_mean(key, names)}")
+            continue
+        if dataclasses.is_dataclass(hints[key]):  # a sub-table such as [train.budget]
+            if not isinstance(value, dict):
+                problems.append(f"{where(dotted)}: expected a table, got {_describe(value)}")
+                ok = False
+                continue
+            sub = _build_section(dotted, hints[key], value, where, problems)
+            ok = ok and sub is not None
+            values[key] = sub
             continue
         f = next(f for f in dataclasses.fields(cls) if f.name == key)
         err, coerced = _check_value(value, hints[key], f.metadata)
         if err:
-            problems.append(f"{where(f'{name}.{key}')}: {err}")
+            problems.append(f"{where(dotted)}: {err}")
             ok = False
         else:
             values[key] = coerced
@@ -481,6 +506,9 @@ def _cross_checks(cfg: Config, where, problems: list[str]) -> None:
                         "double_blocks_to_swap/single_blocks_to_swap, not both")
     if d.bucket_step > d.resolution:
         problems.append(f"{where('data.bucket_step')}: {d.bucket_step} is larger than data.resolution = {d.resolution}")
+    if t.budget.max_cost and not t.budget.hourly_rate:
+        problems.append(f"{where('train.budget.max_cost')}: set train.budget.hourly_rate too, or the cost "
+                        "cannot be projected")
     if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")
@@ -513,27 +541,36 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
-def dumps_toml(data: dict[str, Any]) -> str:
-    """Write a mapping of scalars and one level of tables as TOML."""
+def dumps_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Write a mapping of scalars, lists and nested tables as TOML."""
     head = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    parts = ["\n".join(head)] if head else []
+    parts = []
+    if head:
+        parts.append("\n".join(([f"[{prefix}]"] if prefix else []) + head))
     for name, table in data.items():
         if isinstance(table, dict):
-            lines = [f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-            parts.append("\n".join(lines))
+            parts.append(dumps_toml(table, f"{prefix}.{name}" if prefix else name).rstrip("\n"))
     return "\n\n".join(parts) + "\n"
 
 
 def field_help() -> list[tuple[str, str, str]]:
     """(dotted key, default, help) for every field, for documentation."""
-    rows = []
-    for name, cls in SECTIONS.items():
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(prefix: str, cls: type) -> None:
         for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(f"{prefix}.{f.name}", tp)
+                continue
             if f.default is not REQUIRED:
                 default = _toml_value(f.default)
             elif f.default_factory is not REQUIRED:
                 default = _toml_value(f.default_factory())
             else:
                 default = "(required)"
-            rows.append((f"{name}.{f.name}", default, f.metadata["help"]))
+            rows.append((f"{prefix}.{f.name}", default, f.metadata["help"]))
+
+    for name, cls in SECTIONS.items():
+        walk(name, cls)
     return rows
