@@ -129,6 +129,8 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
     result = train(cfg, resume=resume, preset=preset, out=lambda s: click.echo(s))
     if result.interrupted and result.signal == "SIGINT":
         sys.exit(130)
+    if result.signal == "budget":
+        sys.exit(3)  # stopped by the budget guard: the work is saved, but the run is not finished
 
 
 @main.command("export")
@@ -153,6 +155,117 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
                out=Path(out) if out else None, name=name, dtype=dtype, fmt=fmt, force=force)
     click.echo(f"exported {r.n_tensors} tensors ({r.format} form, {r.source}) to {r.path}")
     click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
+
+
+@main.command("estimate")
+@click.argument("run_dir", type=click.Path(file_okay=False), required=False)
+@click.option("--bench", "bench_file", type=click.Path(dir_okay=False), help="Use a bench-swap result (bench.json).")
+@click.option("--setting", help="With --bench: the setting to use (default: the fastest that ran).")
+@click.option("--steps", type=int, help="Optimizer updates to plan for (default: the run's).")
+@click.option("--epochs", type=float, help="Plan for epochs instead: steps = epochs × dataset size ÷ (batch × accum).")
+@click.option("--dataset-size", type=int, help="Images (with repeats) per epoch, for --epochs.")
+@click.option("--batch-size", type=int, help="Micro-batch size (default: the run's).")
+@click.option("--accum", type=int, help="Gradient accumulation (default: the run's).")
+@click.option("--sec-per-update", type=float, help="Measured seconds per optimizer update.")
+@click.option("--sec-per-micro-batch", type=float, help="Measured seconds per micro-batch (× accumulation).")
+@click.option("--its", type=float, help="it/s read from a training log's progress bar.")
+@click.option("--its-unit", type=click.Choice(["micro", "update"]), help="What that progress bar counted.")
+@click.option("--setup", type=float, help="Seconds of set-up (model load); default: measured.")
+@click.option("--cache", "cache_s", type=float, help="Seconds of caching; default: measured (0 with a full cache).")
+@click.option("--checkpoint-every", type=int, help="Updates between checkpoints (default: the run's).")
+@click.option("--sec-per-checkpoint", type=float, help="Seconds per checkpoint save; default: measured.")
+@click.option("--eval-seconds", type=float, help="Seconds of evaluation; default: measured.")
+@click.option("--idle-minutes", type=float, default=0.0, show_default=True,
+              help="Minutes the meter runs besides the work (boot, upload, download).")
+@click.option("--rate", type=float, help="Hourly price of the machine.")
+@click.option("--currency", default="USD", show_default=True)
+@click.option("--storage", help="GB:PRICE_PER_GB_MONTH of disk billed while the session runs.")
+@click.option("--transfer", help="GB:PRICE_PER_GB of data transfer.")
+@click.option("--offer", "offers", multiple=True, metavar="NAME:RATE[:SEC_PER_UPDATE]",
+              help="Compare machines: hourly rate and, when measured there, seconds per update (repeatable).")
+def estimate_cmd(run_dir, bench_file, setting, steps, epochs, dataset_size, batch_size, accum, sec_per_update,
+                 sec_per_micro_batch, its, its_unit, setup, cache_s, checkpoint_every, sec_per_checkpoint,
+                 eval_seconds, idle_minutes, rate, currency, storage, transfer, offers) -> None:
+    """Session time and cost from measured phases: where the time goes, and what it costs per offer."""
+    from . import economics as ec
+    from .errors import ImgloraError
+
+    if run_dir:
+        m = ec.from_run(Path(run_dir))
+    elif bench_file:
+        m = ec.from_bench(Path(bench_file), setting)
+    else:
+        m = ec.Measured(source="the command line")
+    accum = accum or m.grad_accum
+    batch_size = batch_size or m.batch_size
+    spu = sec_per_update or (ec.seconds_per_update_from(its=its, its_unit=its_unit,
+                                                        sec_per_micro_batch=sec_per_micro_batch, grad_accum=accum)
+                             if its or sec_per_micro_batch else m.seconds_per_update)
+    if spu is None:
+        raise ImgloraError("no seconds per update: give a run folder, --bench, --sec-per-update, --its or "
+                           "--sec-per-micro-batch")
+    if epochs is not None:
+        size = dataset_size or m.dataset_size
+        if not size:
+            raise ImgloraError("--epochs needs --dataset-size (images per epoch, with repeats)")
+        steps = ec.steps_for_epochs(epochs, size, batch_size, accum)
+    steps = steps or m.steps
+    if not steps:
+        raise ImgloraError("how many updates? give --steps, or --epochs with --dataset-size")
+    every = m.checkpoint_every if checkpoint_every is None else checkpoint_every
+    inputs = ec.SessionInputs(
+        setup=m.setup if setup is None else setup, cache=m.cache if cache_s is None else cache_s, steps=steps,
+        seconds_per_update=spu, checkpoints=ec.checkpoint_count(steps, every),
+        seconds_per_checkpoint=m.seconds_per_checkpoint if sec_per_checkpoint is None else sec_per_checkpoint,
+        evaluation=m.evaluation if eval_seconds is None else eval_seconds, idle=idle_minutes * 60)
+    extras = ec.Extras(*_pair(storage, "--storage"), *_pair(transfer, "--transfer"))
+    est = ec.estimate(inputs, rate, currency, extras)
+    click.echo(f"session estimate from {m.source}: {steps} updates, batch {batch_size} × accumulation {accum}")
+    click.echo(ec.format_estimate(est, steps, spu))
+    if m.actual_seconds and steps == m.steps and idle_minutes == 0:
+        err = 100 * (est.seconds - m.actual_seconds) / m.actual_seconds
+        click.echo(f"  measured session of that run: {m.actual_seconds:.1f} s (estimate {err:+.1f} %)")
+    for offer in offers:
+        name, offer_rate, offer_spu = _offer(offer)
+        o = ec.estimate(ec.SessionInputs(**{**vars(inputs), "seconds_per_update": offer_spu or spu}), offer_rate,
+                        currency, extras)
+        basis = "measured there" if offer_spu else "this run's speed"
+        click.echo(f"  offer {name}: {o.hours:.2f} h, {o.cost:.2f} {currency} ({offer_rate:g} {currency}/h, "
+                   f"{offer_spu or spu:.3f} s/update, {basis})")
+
+
+def _pair(text: str | None, flag: str) -> tuple[float, float]:
+    from .errors import ImgloraError
+
+    if not text:
+        return 0.0, 0.0
+    try:
+        a, b = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ImgloraError(f"{flag} {text!r}: expected two numbers as A:B, e.g. 100:0.10") from None
+    return a, b
+
+
+def _offer(text: str) -> tuple[str, float, float | None]:
+    from .errors import ImgloraError
+
+    parts = text.rsplit(":", 2)
+    try:
+        if len(parts) == 3 and _is_number(parts[1]):
+            return parts[0], float(parts[1]), float(parts[2])
+        name, rate_text = text.rsplit(":", 1)
+        return name, float(rate_text), None
+    except ValueError:
+        raise ImgloraError(f"--offer {text!r}: expected NAME:RATE or NAME:RATE:SEC_PER_UPDATE, "
+                           "e.g. \"RTX 4090:0.44:2.1\"") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 if __name__ == "__main__":  # pragma: no cover

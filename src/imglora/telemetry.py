@@ -34,12 +34,17 @@ def gib(n: int | None) -> str:
 
 
 def steady_state(seconds: list[float], warmup: int) -> dict[str, float | int | None]:
-    """Median and spread of per-update times after ``warmup`` updates (warm-up is excluded)."""
+    """Median, mean and spread of per-update times after ``warmup`` updates (warm-up excluded).
+
+    The median describes a typical update; the mean is what totals are made of (time = n × mean),
+    so projections and estimates use the mean.
+    """
     measured = seconds[warmup:] if len(seconds) > warmup else []
     if not measured:
-        return {"median": None, "p10": None, "p90": None, "n": 0, "warmup": warmup}
+        return {"median": None, "mean": None, "p10": None, "p90": None, "n": 0, "warmup": warmup}
     q = statistics.quantiles(measured, n=10) if len(measured) >= 2 else [measured[0]] * 9
-    return {"median": statistics.median(measured), "p10": q[0], "p90": q[-1], "n": len(measured), "warmup": warmup}
+    return {"median": statistics.median(measured), "mean": statistics.fmean(measured), "p10": q[0], "p90": q[-1],
+            "n": len(measured), "warmup": warmup}
 
 
 def fmt_duration(seconds: float) -> str:

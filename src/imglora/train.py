@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import atomic, checkpoint, lora, record, telemetry
+from . import atomic, checkpoint, economics, lora, record, telemetry
 from .config import Config
 from .data.batches import Batcher
 from .errors import ImgloraError
@@ -192,7 +192,9 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     last_good_ckpt = start
     step = start
     interrupted = False
-    stop_signal = None
+    stop_signal: str | None = None
+    budget = cfg.train.budget
+    projection: economics.Projection | None = None
     t_loop = time.perf_counter()
     with _StopFlag() as stop, rec.phase("train_loop"):
         for step in range(start + 1, total + 1):
@@ -232,6 +234,11 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
                     tb.add_scalar("loss", loss_value, step)
                     tb.add_scalar("lr", row["lr"], step)
                 out(_progress_line(step, total, row, step_times, device))
+                if projection is None and len(step_times) >= WARMUP_UPDATES + budget.smoke_steps and step < total:
+                    projection = _project(cfg, rec, step, total, step_times, t_setup)
+                    out(projection.text(budget.currency))
+                    if projection.over:
+                        stop_signal = "budget"
             if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
                 val = validation_loss(trainable, data.validation, family.collate, device, memory, cfg.train.seed)
                 history.append({"step": step, "val_loss": val, "time": time.time()})
@@ -242,12 +249,14 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
                 with rec.phase("checkpoints"):
                     save_checkpoint(step)
                 last_good_ckpt = step
-            if stop.signal:
-                interrupted, stop_signal = True, signal.Signals(stop.signal).name
+            if stop.signal or stop_signal == "budget":
+                interrupted = True
+                stop_signal = stop_signal or signal.Signals(stop.signal).name
                 break
     loop_seconds = time.perf_counter() - t_loop
 
     # -- outputs -------------------------------------------------------------------------------
+    t_finish = time.perf_counter()
     _check_finite(first_bad, run_dir, last_good_ckpt)
     with rec.phase("checkpoints"):
         ckpt_path = save_checkpoint(step) if step > start or not checkpoint.list_checkpoints(run_dir) else None
@@ -259,6 +268,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     if tb:
         tb.close()
     mem = telemetry.memory(device)
+    rec.set(finish_seconds=round(time.perf_counter() - t_finish, 3))
     rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
             sec_per_update=telemetry.steady_state(step_times, WARMUP_UPDATES), peak_memory=mem,
             final_loss=next((r["loss"] for r in reversed(history) if "loss" in r), None),
@@ -267,8 +277,19 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
             last_checkpoint=str(ckpt_path) if ckpt_path else None,
             lora={"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": sorted(lora_config.target_modules)
                   if isinstance(lora_config.target_modules, set) else lora_config.target_modules})
+    if projection:
+        actual = time.perf_counter() - t_setup
+        rec.set(projection={**projection.to_dict(), "actual_seconds": round(actual, 3),
+                            "error_pct": round(100 * (projection.seconds - actual) / actual, 2)})
     rec_path = rec.write(status="interrupted" if interrupted else "ok")
-    if interrupted:
+    if stop_signal == "budget":
+        assert projection is not None
+        out(f"stopped by the budget guard at update {step}/{total}: the session would take "
+            f"{projection.text(budget.currency)}; {projection.over}. Checkpoint {ckpt_path}.\n"
+            f"To fit: set train.max_steps to {projection.fits_steps} or less, pick a faster swap setting "
+            f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`); then "
+            f"`imglora train {preset or '<preset>'} --resume` continues from here.")
+    elif interrupted:
         how = f"imglora train {preset or '<preset>'} --resume"
         out(f"stopped at update {step}/{total}; checkpoint {ckpt_path}. Continue with: {how}")
     else:
@@ -279,6 +300,15 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def _project(cfg: Config, rec: record.RunRecord, step: int, total: int, step_times: list[float],
+             t_setup: float) -> "economics.Projection":
+    ckpt = rec.data.get("checkpoint_seconds") or []
+    return economics.project(
+        cfg.train.budget, step=step, total=total, elapsed=time.perf_counter() - t_setup,
+        seconds_per_update=telemetry.steady_state(step_times, WARMUP_UPDATES)["mean"],
+        checkpoint_every=cfg.train.checkpoint_every, seconds_per_checkpoint=sum(ckpt) / len(ckpt) if ckpt else 0.0)
 
 
 @torch.no_grad()

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from imglora import checkpoint, config, economics as ec, record
+from imglora.cli import main
+from imglora.errors import ImgloraError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_session_formula_against_hand_worked_numbers() -> None:
+    inputs = ec.SessionInputs(setup=120, cache=300, steps=1000, seconds_per_update=2.5, checkpoints=4,
+                              seconds_per_checkpoint=15, evaluation=600, idle=300)
+    est = ec.estimate(inputs, rate=2.0, currency="EUR",
+                      extras=ec.Extras(storage_gb=100, storage_price_gb_month=0.10, transfer_gb=20, transfer_price_gb=0.09))
+    # 120 + 300 + 1000 × 2.5 + 4 × 15 + 600 + 300 = 3880 s
+    assert est.terms == {"setup": 120, "cache": 300, "training": 2500, "checkpoints": 60, "evaluation": 600, "idle": 300}
+    assert est.seconds == 3880 and est.hours == pytest.approx(1.077778, rel=1e-6)
+    assert est.compute_cost == pytest.approx(2.155556, rel=1e-6)           # 1.0778 h × 2.0
+    assert est.storage_cost == pytest.approx(100 * 0.10 * 1.077778 / 730, rel=1e-5)  # GB-months used
+    assert est.transfer_cost == pytest.approx(1.8)
+    assert est.cost == pytest.approx(2.155556 + 0.014764 + 1.8, rel=1e-5)
+    text = ec.format_estimate(est, 1000, 2.5)
+    assert "training (1000 updates × 2.500 s)" in text and "64.4 %" in text and "EUR" in text
+
+
+def test_its_conversion_and_refusals() -> None:
+    # A log showing 1.6 it/s of micro-batches with accumulation 4: 4 / 1.6 = 2.5 s per update.
+    assert ec.seconds_per_update_from(its=1.6, its_unit="micro", grad_accum=4) == pytest.approx(2.5)
+    assert ec.seconds_per_update_from(its=1.6, its_unit="update", grad_accum=4) == pytest.approx(0.625)
+    assert ec.seconds_per_update_from(its=2.0, grad_accum=1) == pytest.approx(0.5)
+    assert ec.seconds_per_update_from(sec_per_micro_batch=0.7, grad_accum=4) == pytest.approx(2.8)
+    with pytest.raises(ImgloraError, match="ambiguous with gradient accumulation 4"):
+        ec.seconds_per_update_from(its=1.6, grad_accum=4)
+    assert ec.steps_for_epochs(10, 25, 1, 4) == 63          # 10 × 25 ÷ (1 × 4) = 62.5, rounded up
+    assert ec.checkpoint_count(1000, 250) == 4 and ec.checkpoint_count(1000, 0) == 1
+
+
+def test_projection_and_what_fits() -> None:
+    budget = config.BudgetConfig(max_cost=1.0, hourly_rate=2.0)  # 1.0 / 2.0 per hour = 1800 s allowed
+    p = ec.project(budget, step=10, total=1000, elapsed=100.0, seconds_per_update=10.0, checkpoint_every=250,
+                   seconds_per_checkpoint=5.0)
+    assert p.remaining_checkpoints == 4 and p.seconds == 100 + 990 * 10 + 4 * 5
+    assert p.cost == pytest.approx(p.seconds / 3600 * 2.0)
+    assert "exceeds train.budget.max_cost = 1 USD" in p.over
+    assert p.fits_steps == 10 + (1800 - 100 - 20) // 10
+    ok = ec.project(config.BudgetConfig(max_hours=10), step=10, total=1000, elapsed=100.0, seconds_per_update=10.0,
+                    checkpoint_every=0, seconds_per_checkpoint=0.0)
+    assert ok.over is None and ok.fits_steps is None
+
+
+def test_cli_estimate_terms_and_offers() -> None:
+    r = CliRunner().invoke(main, ["estimate", "--steps", "1000", "--its", "1.6", "--its-unit", "micro", "--accum", "4",
+                                  "--setup", "120", "--cache", "300", "--rate", "2", "--offer", "RTX 4090:0.44:3.0",
+                                  "--offer", "A100 80GB:1.02"])
+    assert r.exit_code == 0, r.output
+    assert "training (1000 updates × 2.500 s)" in r.output
+    # 120 + 300 + 1000 × 3.0 = 3420 s = 0.95 h, × 0.44 = 0.418; the A100 at this speed: 2920 s = 0.811 h, × 1.02
+    assert "offer RTX 4090: 0.95 h, 0.42 USD (0.44 USD/h, 3.000 s/update, measured there)" in r.output
+    assert "offer A100 80GB: 0.81 h, 0.83 USD (1.02 USD/h, 2.500 s/update, this run's speed)" in r.output
+    bad = CliRunner().invoke(main, ["estimate", "--steps", "10", "--its", "2", "--accum", "4"])
+    assert bad.exit_code == 1 and "ambiguous" in bad.output
+
+
+def _small(tmp_path: Path, sample_dataset: Path) -> list[str]:
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("01_sky", "02_grass"):
+        for f in sample_dataset.glob(f"{name}.*"):
+            shutil.copy(f, data / f.name)
+    return [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
+            f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.log_every=1", "train.warmup_steps=0"]
+
+
+def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Path, sample_dataset: Path) -> None:
+    args = ["train", str(REPO / "presets" / "tiny-sdxl.toml")]
+    for o in _small(tmp_path, sample_dataset) + ["train.max_steps=500", "train.checkpoint_every=0",
+                                                 "train.budget.smoke_steps=2", "train.budget.max_hours=0.0001"]:
+        args += ["--set", o]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 3, r.output
+    assert "stopped by the budget guard at update 5/500" in r.output
+    assert "exceeds train.budget.max_hours = 0.0001" in r.output and "set train.max_steps to" in r.output
+    run = tmp_path / "runs" / "tiny-sdxl"
+    assert [s for s, _ in checkpoint.list_checkpoints(run)] == [5]
+    assert not (run / "adapter").exists()
+    rec = record.read_records(run, "train")[-1]
+    assert rec["status"] == "interrupted" and rec["projection"]["at_step"] == 5
+    assert rec["projection"]["seconds"] > 0.36 and rec["projection"]["actual_seconds"] > 0
+
+
+def test_estimate_reads_a_finished_run(tmp_path: Path, sample_dataset: Path) -> None:
+    cfg = config.load(REPO / "presets" / "tiny-sdxl.toml",
+                      _small(tmp_path, sample_dataset) + ["train.max_steps=8", "train.checkpoint_every=4"])
+    from imglora.train import train
+
+    train(cfg, out=lambda s: None)
+    m = ec.from_run(cfg.run_dir)
+    assert m.steps == 8 and m.checkpoint_every == 4 and m.seconds_per_update > 0 and m.actual_seconds > 0
+    r = CliRunner().invoke(main, ["estimate", str(cfg.run_dir), "--rate", "1.5"])
+    assert r.exit_code == 0, r.output
+    assert "training (8 updates ×" in r.output and "measured session of that run" in r.output
