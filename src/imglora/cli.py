@@ -157,6 +157,31 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
     click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
 
 
+@main.command("bench-swap")
+@click.argument("preset", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--blocks", default="0,9,18,27", show_default=True,
+              help="Swap settings (kohya count), e.g. 0,9,18 or fp8:18,bf16:0 to compare precisions too.")
+@click.option("--fp8/--no-fp8", "fp8", default=None, help="FP8 base for bare numbers in --blocks (default: the preset's).")
+@click.option("--steps", default=12, show_default=True, help="Measured optimizer updates per setting.")
+@click.option("--warmup", default=3, show_default=True, help="Updates before measuring.")
+@click.option("--resolution", type=int, help="Square training resolution (default: the preset's).")
+@click.option("--vram-budget", help="Name the fastest setting whose peak reserved memory fits, e.g. 24GB.")
+@click.option("--arch", type=click.Choice(["preset", "full"]), default="preset", show_default=True,
+              help="full: the real FLUX.1-dev / SDXL architecture with random weights (no download).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Folder for bench.json/csv/png.")
+@click.option("--timeout", default=3600, show_default=True, help="Seconds allowed per setting.")
+def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vram_budget, arch, out_dir, timeout):
+    """Measure seconds per update and peak memory for several swap settings; name the fastest that fits."""
+    from . import bench, config
+
+    cfg = config.load(preset, overrides)
+    settings = bench.parse_settings(blocks, cfg.memory.fp8 if fp8 is None else fp8)
+    bench.bench_swap(preset, overrides, settings, steps=steps, warmup=warmup, resolution=resolution,
+                     vram_budget=bench.parse_size(vram_budget), arch=arch, out_dir=Path(out_dir) if out_dir else None,
+                     timeout=timeout, out=click.echo)
+
+
 @main.command("estimate")
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
 @click.option("--bench", "bench_file", type=click.Path(dir_okay=False), help="Use a bench-swap result (bench.json).")

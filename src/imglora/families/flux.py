@@ -99,6 +99,52 @@ class FluxFamily:
             transformer.enable_gradient_checkpointing()
         return FluxTrainable(transformer, cfg.train)
 
+    def full_trainable(self, cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
+        """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks."""
+        from diffusers import FluxTransformer2DModel
+
+        from .sdxl import random_init
+
+        with torch.device("meta"):
+            # FluxTransformer2DModel's defaults are FLUX.1-dev's: 19 double, 38 single blocks, 3072 wide.
+            transformer = FluxTransformer2DModel(guidance_embeds=True)
+        transformer = random_init(transformer, dtype)
+        if cfg.memory.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        return FluxTrainable(transformer, cfg.train)
+
+    def synthetic_batch(self, trainable: "FluxTrainable", resolution: int, cfg: Any,
+                        device: torch.device) -> dict[str, torch.Tensor]:
+        """Random tensors shaped like one cached sample, for benchmarks without a cache."""
+        c = trainable.model.config
+        n, r = cfg.train.batch_size, resolution
+        length = cfg.cache.text_max_length or self.text_max_length
+        g = torch.Generator().manual_seed(0)
+        return {k: v.to(device) for k, v in {
+            "latents": torch.randn(n, c.in_channels // 4, r // 8, r // 8, generator=g),
+            "prompt_embeds": torch.randn(n, length, c.joint_attention_dim, generator=g),
+            "pooled_prompt_embeds": torch.randn(n, c.pooled_projection_dim, generator=g),
+            "time_ids": torch.zeros(n, 6),
+        }.items()}
+
+    # -- evaluation (imglora eval, a separate process: see evaluate.py) ----------------------
+    def default_prompts(self, cfg: Any) -> list[str]:
+        from ..evaluate import caption_prompts
+
+        return caption_prompts(cfg, self)
+
+    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
+        from ..evaluate import encode_with_text_encoders
+
+        return encode_with_text_encoders(self, model_dir, prompts, cfg, device)
+
+    def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Any:
+        from ..evaluate import diffusers_sampler
+
+        # FLUX.1-dev is guidance-distilled: 3.5 is its usual embedded guidance at inference.
+        return diffusers_sampler(self, model_dir, model, cfg, device, dtype, default_guidance=3.5)
+
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] → [B, (H/2)(W/2), 4C]: FLUX sees 2×2 latent patches as tokens."""

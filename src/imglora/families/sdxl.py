@@ -96,6 +96,76 @@ class SdxlFamily:
         scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
         return SdxlTrainable(unet, scheduler, cfg.train)
 
+    def full_trainable(self, cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
+        """The real SDXL UNet architecture with random weights (no download), for benchmarks."""
+        from diffusers import DDPMScheduler, UNet2DConditionModel
+
+        with torch.device("meta"):
+            unet = UNet2DConditionModel(**FULL_UNET)
+        unet = random_init(unet, dtype)
+        if cfg.memory.gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                  num_train_timesteps=1000)
+        return SdxlTrainable(unet, scheduler, cfg.train)
+
+    def synthetic_batch(self, trainable: "SdxlTrainable", resolution: int, cfg: Any,
+                        device: torch.device) -> dict[str, torch.Tensor]:
+        """Random tensors shaped like one cached sample, for benchmarks without a cache."""
+        c = trainable.model.config
+        n, r = cfg.train.batch_size, resolution
+        g = torch.Generator().manual_seed(0)
+        pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+        return {k: v.to(device) for k, v in {
+            "latents": torch.randn(n, c.in_channels, r // 8, r // 8, generator=g),
+            "prompt_embeds": torch.randn(n, 77, c.cross_attention_dim, generator=g),
+            "pooled_prompt_embeds": torch.randn(n, pooled, generator=g),
+            "time_ids": torch.tensor([[r, r, 0, 0, r, r]] * n, dtype=torch.float32),
+        }.items()}
+
+    # -- evaluation (imglora eval, a separate process: see evaluate.py) ----------------------
+    def default_prompts(self, cfg: Any) -> list[str]:
+        from ..evaluate import caption_prompts
+
+        return caption_prompts(cfg, self)
+
+    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
+        from ..evaluate import encode_with_text_encoders
+
+        return encode_with_text_encoders(self, model_dir, prompts, cfg, device)
+
+    def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Any:
+        from ..evaluate import diffusers_sampler
+
+        # Classifier-free guidance 7 unless eval.guidance_scale says otherwise.
+        return diffusers_sampler(self, model_dir, model, cfg, device, dtype, default_guidance=7.0)
+
+
+# stabilityai/stable-diffusion-xl-base-1.0 unet/config.json, for benchmarks before a download.
+FULL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+    use_linear_projection=True, norm_num_groups=32,
+)
+
+
+def random_init(model: Any, dtype: torch.dtype) -> Any:
+    """Materialise a model built on the meta device with small random weights (norms at one)."""
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    return model
+
 
 class SdxlTrainable:
     """The UNet and the epsilon / v-prediction loss on cached latents and text embeddings."""

@@ -1,0 +1,338 @@
+"""``imglora bench-swap``: measure seconds per update and peak memory for several swap settings.
+
+Each setting runs in a fresh subprocess (``python -m imglora.bench SPEC OUT``), so one setting's
+allocator state and peak figures never leak into the next, and an out-of-memory failure ends only
+that setting. The worker builds the model exactly as ``imglora train`` does (LoRA, then FP8, then
+block swap), feeds it the preset's cached data — or synthetic latents and embeddings of the right
+shapes when the cache is incomplete — and times whole optimizer updates (gradient accumulation
+included) after warm-up, with a device synchronisation around each so the time is the real one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import atomic
+from .errors import ImgloraError
+
+
+@dataclass(frozen=True)
+class Setting:
+    precision: str  # "fp8" or the model dtype ("bf16", "fp16", "fp32")
+    blocks: int     # kohya-style blocks_to_swap
+
+    @property
+    def name(self) -> str:
+        return f"{self.precision}:{self.blocks}"
+
+
+def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
+    """``"0,9,18"`` or ``"fp8:0,fp8:18,bf16:0"``; a bare number takes --fp8/--no-fp8."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        precision, _, number = item.rpartition(":")
+        precision = precision or ("fp8" if default_fp8 else "model")
+        if precision not in ("fp8", "model", "bf16", "fp16", "fp32") or not number.isdigit():
+            raise ImgloraError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, bf16, fp16 "
+                               "or fp32 (e.g. 0,9,18 or fp8:18,bf16:0)")
+        out.append(Setting(precision, int(number)))
+    if not out:
+        raise ImgloraError("--blocks: give at least one setting")
+    return out
+
+
+def parse_size(text: str | None) -> int | None:
+    if not text:
+        return None
+    units = {"tb": 2**40, "gb": 2**30, "gib": 2**30, "mb": 2**20, "mib": 2**20}
+    t = text.strip().lower()
+    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            try:
+                return int(float(t[: -len(suffix)]) * mult)
+            except ValueError:
+                break
+    raise ImgloraError(f"--vram-budget {text!r}: expected a size such as 24GB or 80GiB")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent: one subprocess per setting, then the report
+
+
+def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting], *, steps: int, warmup: int,
+               resolution: int | None, vram_budget: int | None, arch: str, out_dir: Path | None,
+               timeout: float = 3600, out: Callable[[str], None] = print) -> dict[str, Any]:
+    from . import config
+
+    cfg = config.load(preset, overrides)  # fail fast, before any subprocess
+    if any(s.blocks for s in settings) and cfg.model.family != "flux":
+        raise ImgloraError(f"{preset}: block swapping is implemented for the flux family, not {cfg.model.family}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(out_dir) if out_dir else Path(cfg.run.output_dir) / f"bench-swap-{cfg.run.name}-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i, s in enumerate(settings, 1):
+        out(f"[{i}/{len(settings)}] {s.name}: running in a fresh process ...")
+        spec = {"preset": preset, "overrides": list(overrides), "precision": s.precision, "blocks": s.blocks,
+                "steps": steps, "warmup": warmup, "resolution": resolution, "arch": arch}
+        results.append(_run_worker(spec, out_dir / f"setting-{i}", timeout))
+        out("    " + _one_line(results[-1]))
+    report = {"preset": preset, "overrides": list(overrides), "family": cfg.model.family, "arch": arch,
+              "resolution": resolution or cfg.data.resolution, "rank": cfg.lora.rank,
+              "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum, "steps": steps,
+              "warmup": warmup, "vram_budget": vram_budget, "results": results,
+              "environment": results[0].get("environment") if results else None}
+    report["best"] = best_setting(results, vram_budget)
+    write_report(report, out_dir)
+    out(format_table(report))
+    out(f"best: {report['best']['text']}")
+    out(f"written: {out_dir / 'bench.json'}, bench.csv, bench.png")
+    return report
+
+
+def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str, Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = folder / "spec.json", folder / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    base = {"setting": f"{spec['precision']}:{spec['blocks']}", "precision": spec["precision"],
+            "blocks": spec["blocks"]}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "imglora.bench", str(spec_path), str(result_path)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "timeout", "stage": "unknown", "error": f"no result after {timeout:.0f} s"}
+    (folder / "worker.log").write_text(proc.stdout + proc.stderr)
+    if result_path.exists():
+        return {**base, **json.loads(result_path.read_text())}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    # A process killed by the kernel's OOM killer leaves no result; say so rather than guess.
+    status = "killed" if proc.returncode < 0 else "failed"
+    return {**base, "status": status, "stage": "unknown", "returncode": proc.returncode, "error": "\n".join(tail)}
+
+
+def best_setting(results: list[dict[str, Any]], vram_budget: int | None) -> dict[str, Any]:
+    ok = [r for r in results if r.get("status") == "ok"]
+    if not ok:
+        return {"setting": None, "text": "no setting finished"}
+    fits = ok
+    note = ""
+    if vram_budget:
+        if ok[0].get("device") == "cuda":
+            fits = [r for r in ok if (r["peak_reserved"] or 0) <= vram_budget]
+            note = f" within the {vram_budget / 2**30:.0f} GiB budget (peak reserved)"
+        else:
+            note = " (no GPU: the VRAM budget was not applied)"
+    if not fits:
+        return {"setting": None, "text": f"no setting fits the {vram_budget / 2**30:.0f} GiB budget"}
+    best = min(fits, key=lambda r: r["sec_per_update"]["median"])
+    return {"setting": best["setting"], "text": f"{best['setting']} at {best['sec_per_update']['median']:.3f} "
+                                               f"s/update{note}"}
+
+
+COLUMNS = ("setting", "status", "s/update median", "p10", "p90", "peak alloc GiB", "peak reserved GiB",
+           "peak RSS GiB", "H2D MiB/update", "weights MiB")
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    def g(n: Any) -> str:
+        return "" if n is None else f"{n / 2**30:.2f}"
+
+    if r.get("status") != "ok":
+        return [r["setting"], f"{r['status']} ({r.get('stage', '?')})"] + [""] * (len(COLUMNS) - 2)
+    t = r["sec_per_update"]
+    return [r["setting"], "ok", f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}", g(r["peak_allocated"]),
+            g(r["peak_reserved"]), g(r["peak_rss"]), f"{r['h2d_bytes_per_update'] / 2**20:.2f}",
+            f"{r['weight_bytes'] / 2**20:.1f}"]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [list(COLUMNS)] + [_row(r) for r in report["results"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    atomic.write_json(out_dir / "bench.json", report)
+    with atomic.atomic_path(out_dir / "bench.csv", suffix=".csv") as tmp:
+        with open(tmp, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(COLUMNS)
+            w.writerows(_row(r) for r in report["results"])
+    _plot(report, out_dir / "bench.png")
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    names = [r["setting"] for r in res]
+    ok = [r.get("status") == "ok" for r in res]
+    spu = [r["sec_per_update"]["median"] if o else 0 for r, o in zip(res, ok)]
+    mem_key = "peak_allocated" if res and res[0].get("device") == "cuda" else "peak_rss"
+    mem = [(r.get(mem_key) or 0) / 2**30 if o else 0 for r, o in zip(res, ok)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    colors = ["tab:blue" if o else "tab:red" for o in ok]
+    a.bar(names, spu, color=colors)
+    a.set_ylabel("seconds per optimizer update (median)")
+    b.bar(names, mem, color=colors)
+    b.set_ylabel("peak allocated GiB" if mem_key == "peak_allocated" else "peak host RSS GiB (no GPU)")
+    if report.get("vram_budget") and mem_key == "peak_allocated":
+        b.axhline(report["vram_budget"] / 2**30, color="k", ls="--", label="VRAM budget")
+        b.legend()
+    for ax in (a, b):
+        ax.set_xlabel("precision:blocks swapped")
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    for name, o in zip(names, ok):
+        if not o:
+            a.annotate("failed", (name, 0), ha="center", va="bottom", color="tab:red")
+    fig.suptitle(f"bench-swap {Path(report['preset']).name} ({report['arch']} arch, {report['resolution']} px, "
+                 f"rank {report['rank']})")
+    fig.tight_layout()
+    with atomic.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def _one_line(r: dict[str, Any]) -> str:
+    if r.get("status") != "ok":
+        return f"{r['status']} at stage {r.get('stage', '?')}: {r.get('error', '')[:200]}"
+    mem = (f"peak {r['peak_allocated'] / 2**30:.2f} GiB allocated" if r.get("peak_allocated") is not None
+           else f"peak RSS {r['peak_rss'] / 2**30:.2f} GiB")
+    return f"{r['sec_per_update']['median']:.3f} s/update, {mem}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker: one setting, in its own process
+
+
+def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from . import config, lora, record, telemetry
+    from .families import get_family
+    from .memory.fp8 import weight_bytes
+    from .memory.wrap import apply_memory
+    from .models import resolve_model
+    from .train import make_optimizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}",
+                                           "memory.double_blocks_to_swap=-1", "memory.single_blocks_to_swap=-1"]
+    if spec["precision"] == "fp8":
+        overrides.append("memory.fp8=true")
+    else:
+        overrides.append("memory.fp8=false")
+        if spec["precision"] != "model":
+            overrides.append(f"model.dtype=\"{spec['precision']}\"")
+    if spec.get("resolution"):
+        overrides.append(f"data.resolution={spec['resolution']}")
+    cfg = config.load(spec["preset"], overrides)
+    family = get_family(cfg.model.family)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
+    if device.type == "cpu":
+        dtype = torch.float32
+    result: dict[str, Any] = {"device": device.type, "environment": record.environment()}
+    stage = "load"
+    t0 = time.perf_counter()
+    try:
+        if spec["arch"] == "full":
+            trainable = family.full_trainable(cfg, dtype)
+            data_source = "synthetic"
+        else:
+            model_dir = resolve_model(cfg.model.path, cfg.model.family)
+            trainable = family.load_trainable(model_dir, cfg, device, dtype)
+        model = trainable.model
+        lora.inject(model, family, cfg.lora, cfg.train.seed)
+        for p in lora.trainable_parameters(model):
+            p.data = p.data.float()
+        stage = "memory setup"
+        memory = apply_memory(model, family, cfg.memory, device, out=lambda s: None)
+        result["weight_bytes"] = weight_bytes(model)
+        if spec["arch"] != "full":
+            batches, data_source = _cached_or_synthetic(cfg, family, model_dir, trainable, device)
+        else:
+            batches = [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)]
+        result["data"] = data_source
+        params = lora.trainable_parameters(model)
+        optimizer = make_optimizer(cfg, params)
+        result["setup_seconds"] = time.perf_counter() - t0
+        times = []
+        h2d = []
+        for step in range(spec["warmup"] + spec["steps"]):
+            _sync(device)
+            before = memory.swapper.stats.h2d_bytes if memory.swapper else 0
+            t = time.perf_counter()
+            for micro in range(cfg.train.grad_accum):
+                batch = batches[(step * cfg.train.grad_accum + micro) % len(batches)]
+                memory.before_forward()
+                stage = "forward"
+                with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda" and dtype != torch.float32):
+                    loss = trainable.loss(batch, torch.Generator(device=device).manual_seed(step)) / cfg.train.grad_accum
+                stage = "backward"
+                loss.backward()
+            stage = "optimizer"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+            h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)
+    except torch.OutOfMemoryError as exc:
+        return {**result, "status": "oom", "stage": stage, "error": str(exc).splitlines()[0]}
+    except ImgloraError as exc:  # e.g. more blocks to swap than the model has
+        return {**result, "status": "error", "stage": stage, "error": str(exc)}
+    measured = times[spec["warmup"]:]
+    mem = telemetry.memory(device)
+    q = statistics.quantiles(measured, n=10) if len(measured) >= 2 else [measured[0]] * 9
+    return {**result, "status": "ok", "stage": "done",
+            "sec_per_update": {"median": statistics.median(measured), "mean": statistics.fmean(measured),
+                               "p10": q[0], "p90": q[-1], "n": len(measured), "warmup": spec["warmup"]},
+            "all_update_seconds": times, "peak_allocated": mem["peak_allocated"],
+            "peak_reserved": mem["peak_reserved"], "peak_rss": mem["peak_rss"],
+            "h2d_bytes_per_update": statistics.fmean(h2d[spec["warmup"]:]) if measured else 0,
+            "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8")}
+
+
+def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any, device: Any) -> tuple[list, str]:
+    from .data import cache
+
+    the_plan = cache.plan(cfg, family, model_dir, device)
+    store = cache.Cache(cfg.cache.dir)
+    complete = all(store.has("latents", s.key) for s in the_plan.latents) and \
+        all(store.has("text", s.key) for s in the_plan.texts.values())
+    if not complete:
+        return [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)], "synthetic"
+    samples = cache.load_samples(cfg, family, model_dir, device, the_plan)
+    batches = [{k: v[None].to(device) for k, v in s.variants[0].items()} for s in samples]
+    return batches, "cache"
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    spec_path, result_path = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = json.loads(spec_path.read_text())
+    result = run_setting(spec)
+    atomic.write_json(result_path, result)
+
+
+if __name__ == "__main__":
+    main()

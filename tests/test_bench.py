@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from imglora import bench
+from imglora.cli import main
+from imglora.errors import ImgloraError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_FLUX = str(REPO / "presets" / "tiny-flux.toml")
+
+
+def test_parse_settings_and_sizes() -> None:
+    assert [s.name for s in bench.parse_settings("0, 9,18", default_fp8=True)] == ["fp8:0", "fp8:9", "fp8:18"]
+    assert [s.name for s in bench.parse_settings("fp8:18,bf16:0,4", default_fp8=False)] == ["fp8:18", "bf16:0", "model:4"]
+    with pytest.raises(ImgloraError, match="expected N or PRECISION:N"):
+        bench.parse_settings("fp4:2", default_fp8=True)
+    assert bench.parse_size("24GB") == 24 * 2**30 and bench.parse_size("80GiB") == 80 * 2**30
+    assert bench.parse_size("512MB") == 512 * 2**20 and bench.parse_size(None) is None
+    with pytest.raises(ImgloraError, match="expected a size"):
+        bench.parse_size("lots")
+
+
+def _ok(setting: str, spu: float, reserved: int) -> dict:
+    return {"setting": setting, "status": "ok", "device": "cuda", "sec_per_update": {"median": spu},
+            "peak_reserved": reserved}
+
+
+def test_best_setting_respects_the_budget() -> None:
+    gib = 2**30
+    results = [_ok("fp8:0", 1.0, 30 * gib), _ok("fp8:9", 1.05, 20 * gib), _ok("fp8:18", 1.2, 12 * gib),
+               {"setting": "bf16:0", "status": "oom", "stage": "backward"}]
+    assert bench.best_setting(results, None)["setting"] == "fp8:0"
+    best = bench.best_setting(results, 24 * gib)
+    assert best["setting"] == "fp8:9" and "within the 24 GiB budget" in best["text"]
+    assert bench.best_setting(results, 8 * gib)["setting"] is None
+
+
+def test_oom_is_reported_with_its_stage(monkeypatch) -> None:
+    from imglora.families import flux
+
+    def oom(self, batch, gen):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(flux.FluxTrainable, "loss", oom)
+    r = bench.run_setting({"preset": TINY_FLUX, "overrides": [], "precision": "fp8", "blocks": 2, "steps": 1,
+                           "warmup": 0, "resolution": 64, "arch": "preset"})
+    assert (r["status"], r["stage"]) == ("oom", "forward") and "Tried to allocate" in r["error"]
+
+
+def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench-swap", TINY_FLUX, "--blocks", "0,fp32:4,40", "--steps", "2", "--warmup", "1",
+                                  "--resolution", "64", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "bench.json").read_text())
+    by = {x["setting"]: x for x in report["results"]}
+    assert by["fp8:0"]["status"] == "ok" and by["fp32:4"]["status"] == "ok"
+    assert by["fp8:40"]["status"] == "error" and by["fp8:40"]["stage"] == "memory setup"
+    assert "the largest valid number is" in by["fp8:40"]["error"]
+    assert by["fp32:4"]["swap"]["swapped_blocks"] == 6  # kohya: 4 = 2 double + 4 single
+    assert by["fp32:4"]["h2d_bytes_per_update"] > 0 and by["fp8:0"]["h2d_bytes_per_update"] == 0
+    assert by["fp8:0"]["weight_bytes"] < by["fp32:4"]["weight_bytes"]  # fp8 base weights are smaller
+    assert by["fp8:0"]["sec_per_update"]["n"] == 2 and by["fp8:0"]["data"] == "synthetic"
+    assert "error (memory setup)" in r.output and "best: " in r.output
+    assert (out / "bench.csv").read_text().splitlines()[0].startswith("setting,status,s/update median")
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
