@@ -370,7 +370,8 @@ def _progress_line(step: int, total: int, row: dict[str, Any], times: list[float
     eta = telemetry.fmt_duration(per * (total - step))
     width = 20
     filled = int(width * step / total)
-    mem = f" | peak {telemetry.gib(row['peak_allocated'])}" if device.type == "cuda" else ""
+    mem = (f" | peak {telemetry.gib(row['peak_allocated'])} alloc, {telemetry.gib(row['peak_reserved'])} reserved"
+           if device.type == "cuda" else "")
     return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
             f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
 
