@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -44,3 +46,20 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def sample_dataset() -> Path:
     return REPO / "sample_datasets" / "sks_toy"
+
+
+@pytest.fixture()
+def small_run(tmp_path: Path, sample_dataset: Path):
+    """``small_run(names)``: copy some sample images into tmp_path and return --set overrides that
+    point data, cache and runs there, so a test trains or caches in a few seconds."""
+
+    def make(names: tuple[str, ...] = ("01_sky", "02_grass", "04_wall")) -> list[str]:
+        data = tmp_path / "data"
+        data.mkdir(exist_ok=True)
+        for name in names:
+            for f in sample_dataset.glob(f"{name}.*"):
+                shutil.copy(f, data / f.name)
+        return [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
+                f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}"]
+
+    return make

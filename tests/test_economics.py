@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -67,21 +66,9 @@ def test_cli_estimate_terms_and_offers() -> None:
     assert bad.exit_code == 1 and "ambiguous" in bad.output
 
 
-def _small(tmp_path: Path, sample_dataset: Path) -> list[str]:
-    import shutil
-
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("01_sky", "02_grass"):
-        for f in sample_dataset.glob(f"{name}.*"):
-            shutil.copy(f, data / f.name)
-    return [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
-            f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.log_every=1", "train.warmup_steps=0"]
-
-
-def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Path, sample_dataset: Path) -> None:
+def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Path, small_run) -> None:
     args = ["train", str(REPO / "presets" / "tiny-sdxl.toml")]
-    for o in _small(tmp_path, sample_dataset) + ["train.max_steps=500", "train.checkpoint_every=0",
+    for o in small_run(("01_sky", "02_grass")) + ["train.log_every=1", "train.warmup_steps=0","train.max_steps=500", "train.checkpoint_every=0",
                                                  "train.budget.smoke_steps=2", "train.budget.max_hours=0.0001"]:
         args += ["--set", o]
     r = CliRunner().invoke(main, args)
@@ -96,9 +83,10 @@ def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Pat
     assert rec["projection"]["seconds"] > 0.36 and rec["projection"]["actual_seconds"] > 0
 
 
-def test_estimate_reads_a_finished_run(tmp_path: Path, sample_dataset: Path) -> None:
+def test_estimate_reads_a_finished_run(small_run) -> None:
     cfg = config.load(REPO / "presets" / "tiny-sdxl.toml",
-                      _small(tmp_path, sample_dataset) + ["train.max_steps=8", "train.checkpoint_every=4"])
+                      small_run(("01_sky", "02_grass")) + ["train.log_every=1", "train.warmup_steps=0",
+                                                           "train.max_steps=8", "train.checkpoint_every=4"])
     from imglora.train import train
 
     train(cfg, out=lambda s: None)

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,17 +22,10 @@ PRESET = REPO / "presets" / "tiny-sdxl.toml"
 
 
 @pytest.fixture()
-def small(tmp_path: Path, sample_dataset: Path):
+def small(small_run):
     """Three sample images and overrides that keep a run to a few seconds."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("01_sky", "02_grass", "04_wall"):
-        for f in sample_dataset.glob(f"{name}.*"):
-            shutil.copy(f, data / f.name)
-    overrides = [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
-                 f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=8",
-                 "train.checkpoint_every=2", "train.log_every=1", "train.warmup_steps=2"]
-    return overrides
+    return small_run() + ["train.max_steps=8", "train.checkpoint_every=2", "train.log_every=1",
+                          "train.warmup_steps=2"]
 
 
 def load_cfg(overrides, *extra):

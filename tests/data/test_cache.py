@@ -20,14 +20,9 @@ PRESET = REPO / "presets" / "tiny-sdxl.toml"
 
 
 @pytest.fixture()
-def setup(tmp_path: Path, sample_dataset: Path):
+def setup(tmp_path: Path, small_run):
+    overrides = small_run()
     data = tmp_path / "data"
-    data.mkdir()
-    for name in ("01_sky", "02_grass", "04_wall"):
-        for f in sample_dataset.glob(f"{name}.*"):
-            shutil.copy(f, data / f.name)
-    overrides = [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
-                 f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}"]
 
     def load(*extra: str):
         cfg = config.load(PRESET, [*overrides, *extra])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,10 @@ FAMILIES = ["sdxl", "flux"]
 
 
 @pytest.fixture()
-def small(tmp_path: Path, sample_dataset: Path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("01_sky", "03_table"):  # a square and a landscape image: two buckets
-        for f in sample_dataset.glob(f"{name}.*"):
-            shutil.copy(f, data / f.name)
-    return [f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
-            f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=3",
-            "train.checkpoint_every=0", "train.log_every=1", "train.warmup_steps=0"]
+def small(small_run):
+    # a square and a landscape image: two buckets
+    return small_run(("01_sky", "03_table")) + ["train.max_steps=3", "train.checkpoint_every=0", "train.log_every=1",
+                                                 "train.warmup_steps=0"]
 
 
 def load(family: str, overrides, *extra):
