@@ -23,7 +23,8 @@ from .errors import ImgloraError
 
 # Keys that do not change what is trained: they may differ on --resume.
 RESUME_NEUTRAL = (
-    "run.", "eval.", "export.", "cache.dir", "data.dir", "train.checkpoint_every", "train.keep_checkpoints",
+    "run.", "eval.prompts", "eval.sample_steps", "eval.guidance_scale", "eval.seed", "eval.every", "eval.strengths",
+    "eval.fp8", "eval.blocks_to_swap", "export.", "cache.dir", "data.dir", "train.checkpoint_every", "train.keep_checkpoints",
     "train.log_every", "train.eval_after", "train.budget.", "memory.gradient_checkpointing", "memory.blocks_to_swap", "memory.double_blocks_to_swap",
     "memory.single_blocks_to_swap",
 )

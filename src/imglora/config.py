@@ -182,6 +182,14 @@ class EvalConfig:
     holdout_file: str = _f("", help="LLM: a separate JSONL of validation conversations.")
     every: int = _f(0, help="Validation loss on the held-out data every N updates during training; 0 = off.",
                     min=0, max=10_000_000)
+    holdout_dir: str = _f("", help="A folder of captioned images used only for the held-out loss (in addition "
+                                   "to eval.holdout); never trained on.")
+    strengths: list[float] = _f([0.0, 0.5, 1.0], help="Adapter strengths of the evaluation images; 0 = the base "
+                                                      "model (the columns of the contact sheet).")
+    fp8: Literal["same", "on", "off"] = _f("same", help="FLUX: FP8 base weights during evaluation; same = as "
+                                                        "memory.fp8 in training.")
+    blocks_to_swap: int = _f(-1, help="FLUX: blocks swapped during evaluation (kohya's count, as "
+                                      "memory.blocks_to_swap); -1 = as in training.", min=-1, max=1000)
 
 
 @dataclass(frozen=True)

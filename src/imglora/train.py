@@ -44,6 +44,7 @@ class TrainResult:
     interrupted: bool
     record: Path
     signal: str | None = None
+    eval_exit_code: int | None = None  # train.eval_after: the evaluation process's exit code
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -296,7 +297,16 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         ss = telemetry.steady_state(step_times, WARMUP_UPDATES)
         per = f"{ss['median']:.3f} s/update (median after {WARMUP_UPDATES} warm-up updates)" if ss["median"] else ""
         out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}")
-    return TrainResult(run_dir, adapter, step, interrupted, rec_path, stop_signal)
+    eval_code = None
+    if cfg.train.eval_after and not interrupted:
+        # Evaluate in a fresh process once this one has let go of the model, so sampling's memory
+        # peak never stacks on training's (the record above holds training's peak only).
+        del model, trainable, optimizer, scheduler, memory, params, batcher, data
+        accelerator.free_memory()
+        from .evaluate import run_subprocess
+
+        eval_code = run_subprocess(run_dir, out)
+    return TrainResult(run_dir, adapter, step, interrupted, rec_path, stop_signal, eval_code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,8 +348,7 @@ def _resume(cfg: Config, family: Any, run_dir: Path, model: Any, optimizer: Any,
     if diffs:
         raise checkpoint.ResumeRefused(
             f"--resume refused: {path} was trained with different settings that change the result:\n  "
-            + "\n  ".join(diffs) + f"\nRestore them, or start a new run (another run.name).")
-    from safetensors.torch import load_file
+            + "\n  ".join(diffs) + "\nRestore them, or start a new run (another run.name).")
 
     lora.load_adapter_state(_unwrap(model), family.read_adapter(state["adapter_dir"]))
     optimizer.load_state_dict(state["optimizer_state"])

@@ -145,13 +145,62 @@ def _checksum(tensors: dict[str, "torch.Tensor"]) -> str:
 
 
 def scan(cfg: "Config", family: "Family") -> ScanResult:
+    """Every image the run uses: data.dir's, then eval.holdout_dir's (held out; see split_holdout)."""
     d = cfg.data
-    return scan_dataset(
-        Path(d.dir), resolution=d.resolution, step=d.bucket_step or family.bucket_step,
-        min_side=d.min_bucket_side, max_side=d.max_bucket_side, use_buckets=d.buckets,
-        caption_ext=d.caption_ext, missing_caption=d.missing_caption, default_caption=d.default_caption,
-        trigger_word=d.trigger_word, default_repeats=d.repeats, skip_bad_images=d.skip_bad_images,
-    )
+
+    def one(root: str, repeats: int) -> ScanResult:
+        return scan_dataset(
+            Path(root), resolution=d.resolution, step=d.bucket_step or family.bucket_step,
+            min_side=d.min_bucket_side, max_side=d.max_bucket_side, use_buckets=d.buckets,
+            caption_ext=d.caption_ext, missing_caption=d.missing_caption, default_caption=d.default_caption,
+            trigger_word=d.trigger_word, default_repeats=repeats, skip_bad_images=d.skip_bad_images,
+        )
+
+    scanned = one(d.dir, d.repeats)
+    if not cfg.eval.holdout_dir:
+        return scanned
+    held_root = Path(cfg.eval.holdout_dir).resolve()
+    if held_root == Path(d.dir).resolve() or Path(d.dir).resolve() in held_root.parents:
+        raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside data.dir = {d.dir!r}; "
+                           "move the held-out images to a folder of their own, next to data.dir")
+    extra = one(cfg.eval.holdout_dir, 1)
+    return _scan_result(scanned.items + extra.items, scanned.warnings + extra.warnings)
+
+
+def _scan_result(items: tuple[DatasetItem, ...], warnings: tuple[str, ...]) -> ScanResult:
+    counts: dict[tuple[int, int], int] = {}
+    for item in items:
+        counts[item.bucket] = counts.get(item.bucket, 0) + 1
+    return ScanResult(tuple(items), tuple(warnings), dict(sorted(counts.items())))
+
+
+def split_holdout(cfg: "Config", scanned: ScanResult) -> tuple[ScanResult, ScanResult]:
+    """(training images, held-out images) of a ``scan``: held out are the last ``eval.holdout`` images
+    of data.dir's sorted scan and every image of ``eval.holdout_dir``. A pure function of the file
+    names, so training and every later evaluation agree on the split; held-out images are never
+    trained on, only scored (``imglora eval``, ``eval.every``)."""
+    held_root = Path(cfg.eval.holdout_dir) if cfg.eval.holdout_dir else None
+    extra = tuple(i for i in scanned.items if held_root is not None and i.path.is_relative_to(held_root))
+    outside = frozenset(extra)
+    own = tuple(i for i in scanned.items if i not in outside)
+    n = cfg.eval.holdout
+    if n and n >= len(own):
+        from ..errors import DataError
+
+        raise DataError([f"eval.holdout = {n} would hold out all {len(own)} images of {cfg.data.dir}, leaving "
+                         "none to train on; lower it or use eval.holdout_dir"])
+    train, held = own[:len(own) - n], own[len(own) - n:] + extra
+    return _scan_result(train, scanned.warnings), _scan_result(held, ())
+
+
+def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan":
+    """The part of a plan that covers some of its images (their latents and captions)."""
+    keep = set(items)
+    captions = {i.caption for i in items}
+    return CachePlan(_scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
+                     [s for s in the_plan.latents if s.item in keep],
+                     {c: s for c, s in the_plan.texts.items() if c in captions},
+                     the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities))
 
 
 def plan(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
@@ -359,8 +408,11 @@ def prepare_images(cfg: "Config", family: "Family", model_dir: Path, device: "to
     """Fill the cache for whatever is missing (encoders loaded only then, and freed), load it."""
     from .dataset import dataset_version
 
-    the_plan, stats = fill_cache(cfg, family, model_dir, device)
-    samples = load_samples(cfg, family, model_dir, device, the_plan)
-    return PreparedData(samples, dataset_version(the_plan.scan.items), the_plan.scan.warnings,
-                        f"{len(samples)} images, cache {stats.latents_encoded + stats.texts_encoded} encoded / "
-                        f"{stats.latents_reused + stats.texts_reused} reused")
+    the_plan, stats = fill_cache(cfg, family, model_dir, device)  # held-out images too: one encoder load
+    train_scan, held_scan = split_holdout(cfg, the_plan.scan)
+    samples = load_samples(cfg, family, model_dir, device, subplan(the_plan, train_scan.items))
+    held = load_samples(cfg, family, model_dir, device, subplan(the_plan, held_scan.items)) if held_scan.items else []
+    return PreparedData(samples, dataset_version(train_scan.items), the_plan.scan.warnings,
+                        f"{len(samples)} images" + (f" (+{len(held)} held out)" if held else "")
+                        + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
+                        f"{stats.latents_reused + stats.texts_reused} reused", validation=held)
