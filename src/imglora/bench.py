@@ -309,6 +309,9 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
 def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any, device: Any) -> tuple[list, str]:
     from .data import cache
 
+    if not family.vae_folders(model_dir):  # a family without an encoder cache (llm): its data is cheap to prepare
+        data = family.prepare_data(cfg, model_dir, device)
+        return [{k: v.to(device) for k, v in family.collate([s.variants[0]]).items()} for s in data.samples], "data"
     the_plan = cache.plan(cfg, family, model_dir, device)
     store = cache.Cache(cfg.cache.dir)
     complete = all(store.has("latents", s.key) for s in the_plan.latents) and \

@@ -110,7 +110,8 @@ def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> 
                f"{stats.seconds:.2f} s (cache in {cfg.cache.dir})")
     with rec.phase("checksums"):
         rec.set(model_dir=str(model_dir), model_checksums=record.folder_checksums(model_dir),
-                dataset_version=dataset_version(scanned.items), dataset_items=len(scanned.items),
+                dataset_version=dataset_version(cache.split_holdout(cfg, scanned)[0].items),
+                dataset_items=len(scanned.items),
                 cache_identities=the_plan.identities,
                 cache_stats={k: v for k, v in vars(stats).items()})
     path = rec.write()
@@ -292,6 +293,16 @@ def _is_number(text: str) -> bool:
         return False
     return True
 
+
+def _register_split_commands() -> None:
+    from .cli_eval import eval_cmd
+    from .cli_llm import merge_cmd
+
+    main.add_command(eval_cmd, "eval")
+    main.add_command(merge_cmd, "merge")
+
+
+_register_split_commands()
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -39,6 +39,12 @@ class Family(Protocol):
     def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path: ...  # the main file
     def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]: ...  # LoRA state keyed by module path
 
+    # -- evaluation (imglora eval: a fresh process, the base loaded once, adapters swapped in) --
+    def default_prompts(self, cfg: Any) -> list[str]: ...  # when neither eval.prompts nor --prompts give any
+    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: Any, device: torch.device) -> list[Any]: ...
+    def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Any: ...  # (encoded prompt, seed) -> PIL image, or text
+
 
 class Trainable(Protocol):
     """The trained module and the family's loss: the only family code in a training step."""
@@ -50,9 +56,10 @@ class Trainable(Protocol):
 
 def get_family(name: str) -> Family:
     from .flux import FluxFamily
+    from .llm import LlmFamily
     from .sdxl import SdxlFamily
 
-    families: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily}
+    families: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "llm": LlmFamily}
     if name not in families:
         raise KeyError(f"no family {name!r}; known: {', '.join(families)}")
     return families[name]()

@@ -64,6 +64,13 @@ def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: 
         out(report.summary())
         setup.facts["fp8"] = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after,
                               "quantized_layers": report.n_quantized, "kept_layers": list(report.kept)}
+    if m.quantization != "none":
+        from .quant4 import quantize_4bit
+
+        q4 = quantize_4bit(model, family.quantize_exclude, m.quantization, device=device)
+        out(q4.summary())
+        setup.facts[m.quantization] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
+                                       "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
     counts = swap_counts(family, model, m)
     if not any(counts):
         to_device(model, device)
