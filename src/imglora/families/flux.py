@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import diffusers_common as common
+
 
 class FluxFamily:
     name: ClassVar[str] = "flux"
@@ -29,18 +31,18 @@ class FluxFamily:
     lora_scope: ClassVar[str] = r"(transformer_blocks|single_transformer_blocks)\.\d+\."  # regex prefix limiting lora_targets
     denoiser: ClassVar[str] = "transformer"
 
+    # Shared with the other diffusers image family (see diffusers_common).
+    vae_folders = common.vae_folders
+    text_folders = common.text_folders
+    load_vae = common.load_vae
+    prepare_data = common.prepare_data
+    collate = common.collate
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    default_prompts = common.default_prompts
+    encode_prompts = common.encode_prompts
+
     # -- cache ------------------------------------------------------------------------------
-    def vae_folders(self, model_dir: Path) -> list[Path]:
-        return [model_dir / "vae"]
-
-    def text_folders(self, model_dir: Path) -> list[Path]:
-        return [model_dir / n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
-
-    def load_vae(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import AutoencoderKL
-
-        return AutoencoderKL.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype).to(device).eval()
-
     @torch.no_grad()
     def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
@@ -70,26 +72,6 @@ class FluxFamily:
         return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
     # -- training ---------------------------------------------------------------------------
-    def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any:
-        from ..data.cache import prepare_images
-
-        return prepare_images(cfg, self, model_dir, device)
-
-    def save_adapter(self, model: Any, peft_config: Any, folder: Path) -> Path:
-        from ..lora import save_for_diffusers
-
-        return save_for_diffusers(self, model, peft_config, folder)
-
-    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
-        from ..lora import read_diffusers_adapter
-
-        return read_diffusers_adapter(self, folder)
-
-    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        from ..data.batches import stack
-
-        return stack(entries)
-
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "FluxTrainable":
         from diffusers import FluxTransformer2DModel
 
@@ -103,12 +85,10 @@ class FluxFamily:
         """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks."""
         from diffusers import FluxTransformer2DModel
 
-        from .sdxl import random_init
-
         with torch.device("meta"):
             # FluxTransformer2DModel's defaults are FLUX.1-dev's: 19 double, 38 single blocks, 3072 wide.
             transformer = FluxTransformer2DModel(guidance_embeds=True)
-        transformer = random_init(transformer, dtype)
+        transformer = common.random_init(transformer, dtype)
         if cfg.memory.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         return FluxTrainable(transformer, cfg.train)
@@ -128,16 +108,6 @@ class FluxFamily:
         }.items()}
 
     # -- evaluation (imglora eval, a separate process: see evaluate.py) ----------------------
-    def default_prompts(self, cfg: Any) -> list[str]:
-        from ..evaluate import caption_prompts
-
-        return caption_prompts(cfg, self)
-
-    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
-        from ..evaluate import encode_with_text_encoders
-
-        return encode_with_text_encoders(self, model_dir, prompts, cfg, device)
-
     def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Any:
         from ..evaluate import diffusers_sampler

@@ -7,6 +7,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import diffusers_common as common
+
 
 class SdxlFamily:
     name: ClassVar[str] = "sdxl"
@@ -19,18 +21,18 @@ class SdxlFamily:
     lora_scope: ClassVar[str] = ""  # regex prefix limiting lora_targets
     denoiser: ClassVar[str] = "unet"
 
+    # Shared with the other diffusers image family (see diffusers_common).
+    vae_folders = common.vae_folders
+    text_folders = common.text_folders
+    load_vae = common.load_vae
+    prepare_data = common.prepare_data
+    collate = common.collate
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    default_prompts = common.default_prompts
+    encode_prompts = common.encode_prompts
+
     # -- cache ------------------------------------------------------------------------------
-    def vae_folders(self, model_dir: Path) -> list[Path]:
-        return [model_dir / "vae"]
-
-    def text_folders(self, model_dir: Path) -> list[Path]:
-        return [model_dir / n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
-
-    def load_vae(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import AutoencoderKL
-
-        return AutoencoderKL.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype).to(device).eval()
-
     @torch.no_grad()
     def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         # The distribution's mean, not a sample: the cache entry is then a pure function of its key.
@@ -65,26 +67,6 @@ class SdxlFamily:
         return {"prompt_embeds": torch.cat(hidden, dim=-1)[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
     # -- training ---------------------------------------------------------------------------
-    def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any:
-        from ..data.cache import prepare_images
-
-        return prepare_images(cfg, self, model_dir, device)
-
-    def save_adapter(self, model: Any, peft_config: Any, folder: Path) -> Path:
-        from ..lora import save_for_diffusers
-
-        return save_for_diffusers(self, model, peft_config, folder)
-
-    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
-        from ..lora import read_diffusers_adapter
-
-        return read_diffusers_adapter(self, folder)
-
-    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        from ..data.batches import stack
-
-        return stack(entries)
-
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "SdxlTrainable":
         from diffusers import DDPMScheduler, UNet2DConditionModel
 
@@ -102,7 +84,7 @@ class SdxlFamily:
 
         with torch.device("meta"):
             unet = UNet2DConditionModel(**FULL_UNET)
-        unet = random_init(unet, dtype)
+        unet = common.random_init(unet, dtype)
         if cfg.memory.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -124,16 +106,6 @@ class SdxlFamily:
         }.items()}
 
     # -- evaluation (imglora eval, a separate process: see evaluate.py) ----------------------
-    def default_prompts(self, cfg: Any) -> list[str]:
-        from ..evaluate import caption_prompts
-
-        return caption_prompts(cfg, self)
-
-    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
-        from ..evaluate import encode_with_text_encoders
-
-        return encode_with_text_encoders(self, model_dir, prompts, cfg, device)
-
     def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Any:
         from ..evaluate import diffusers_sampler
@@ -151,20 +123,6 @@ FULL_UNET = dict(
     addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
     use_linear_projection=True, norm_num_groups=32,
 )
-
-
-def random_init(model: Any, dtype: torch.dtype) -> Any:
-    """Materialise a model built on the meta device with small random weights (norms at one)."""
-    model = model.to_empty(device="cpu").to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-    return model
 
 
 class SdxlTrainable:
