@@ -53,3 +53,19 @@ def test_tiny_models_resolve_to_their_built_folder() -> None:
     for kind, marker in (("sdxl", "model_index.json"), ("flux", "model_index.json"), ("llm", "config.json")):
         folder = resolve_model(f"tiny:{kind}", kind)
         assert (folder / marker).is_file()
+
+
+def test_hf_blob_checksum_is_taken_from_its_name(tmp_path: Path) -> None:
+    from imglora import record
+
+    digest = "ab" * 32
+    blob = tmp_path / "blobs" / digest
+    blob.parent.mkdir()
+    blob.write_bytes(b"not hashed: the name is the sha256 of an LFS file's content")
+    link = tmp_path / "snapshots" / "rev" / "model.safetensors"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(blob)
+    assert record.cached_sha256(link) == digest
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"abc")
+    assert record.cached_sha256(plain) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"

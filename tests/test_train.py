@@ -247,3 +247,29 @@ def test_optimizers_and_epochs(small) -> None:
     # 3 images x 2 epochs = 6 micro-batches; accumulation 4 -> 2 updates (the last one partial).
     cfg = load_cfg(small, "train.max_steps=0", "train.epochs=2", "train.grad_accum=4")
     assert total_updates(cfg, micro_per_epoch=3) == 2
+
+
+def test_a_new_run_never_overwrites_an_earlier_one(small) -> None:
+    from imglora.errors import ImgloraError
+
+    cfg = load_cfg(small, "train.max_steps=2")
+    train(cfg, out=quiet)
+    before = (cfg.run_dir / "adapter" / lora.ADAPTER_FILE).read_bytes()
+    with pytest.raises(ImgloraError, match=r"already holds a run \(newest checkpoint: update 2\).*--resume.*run.name"):
+        train(cfg, out=quiet)
+    assert (cfg.run_dir / "adapter" / lora.ADAPTER_FILE).read_bytes() == before
+
+
+def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_path) -> None:
+    cfg = load_cfg(small, "train.max_steps=6")  # checkpoints at 2, 4 and 6
+    train(cfg, out=quiet)
+    newest = checkpoint.list_checkpoints(cfg.run_dir)[-1][1]
+    (newest / "optimizer.safetensors").write_bytes(b"")  # as a full disk or a hard stop might leave it
+    lines: list[str] = []
+    result = train(cfg, resume=True, out=lines.append)
+    assert any("skipped a damaged checkpoint" in x and str(newest) in x for x in lines)
+    assert any("resuming from" in x and "step-000004" in x for x in lines)
+    assert result.steps_done == 6
+    (tmp_path / "data" / "01_sky.txt").write_text("sks toy, another caption")
+    with pytest.raises(checkpoint.ResumeRefused, match="the dataset changed since"):
+        train(cfg, resume=True, out=quiet)

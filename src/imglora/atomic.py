@@ -28,6 +28,7 @@ def atomic_path(dest: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp_path, dest)
+        _fsync_dir(dest.parent)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -64,13 +65,38 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
         yield tmp
+        _fsync_tree(tmp)  # the files' contents reach the disk before the rename makes them visible
         old = None
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
             os.replace(dest, old)
         os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+    for d in sorted({p for p in folder.rglob("*") if p.is_dir()} | {folder}):
+        _fsync_dir(d)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename or a new file in ``folder`` durable (POSIX: fsync the directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. a platform without directory file descriptors
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the rename is then as durable as they allow
+    finally:
+        os.close(fd)

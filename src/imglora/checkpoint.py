@@ -4,7 +4,11 @@
 optimizer state (tensors in safetensors, structure in JSON), the scheduler state, RNG states,
 the step and the resolved config with its hash. The folder is built under a temporary name and
 renamed into place, so a crash never leaves a checkpoint that looks complete but is not; only
-then are checkpoints beyond ``keep`` removed, oldest first.
+then are checkpoints beyond ``keep`` removed, oldest first (never one newer than the new one).
+
+The loop reseeds every update from (seed, update) and the data order is a function of (seed,
+epoch), so resuming needs neither RNG nor iterator state; the RNG states are saved for inspection.
+The dataset version and the run's length are saved so a resume over changed data is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import atomic
@@ -79,7 +84,9 @@ def save(run_dir: Path, step: int, *, write_adapter, optimizer: torch.optim.Opti
             "step": step, "config_hash": config_hash, "config": config, "optimizer": rest,
             "scheduler": scheduler.state_dict(), "python_random": _py_rng(), **extra,
         }, indent=1, default=_json_default))
-    for _, old in list_checkpoints(run_dir)[:-keep]:
+    # Only checkpoints older than the one just written are ever pruned.
+    older = [p for s, p in list_checkpoints(run_dir) if s <= step]
+    for old in older[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return dest
 
@@ -95,6 +102,9 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
+UNREADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what a damaged checkpoint raises on load
+
+
 def load(path: Path) -> dict[str, Any]:
     state = json.loads((path / "state.json").read_text())
     state["optimizer_state"] = optimizer_from_tensors(load_file(str(path / "optimizer.safetensors")),
@@ -102,15 +112,6 @@ def load(path: Path) -> dict[str, Any]:
     state["rng"] = load_file(str(path / "rng.safetensors"))
     state["adapter_dir"] = path / "adapter"
     return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["rng"]["torch"])
-    for key, value in state["rng"].items():
-        if key.startswith("cuda") and torch.cuda.is_available():
-            torch.cuda.set_rng_state(value, int(key[4:]))
-    version, internal, gauss = state["python_random"]
-    random.setstate((version, tuple(internal), gauss))
 
 
 def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

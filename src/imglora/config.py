@@ -137,7 +137,8 @@ class TrainConfig:
     checkpoint_every: int = _f(0, help="Save a checkpoint every N updates; 0 = only at the end.",
                                min=0, max=10_000_000)
     keep_checkpoints: int = _f(3, help="How many of the newest checkpoints to keep.", min=1, max=100_000)
-    log_every: int = _f(1, help="Log loss and timing every N updates.", min=1, max=100_000)
+    log_every: int = _f(10, help="Log loss and timing every N updates (each log is a host-device sync).",
+                        min=1, max=100_000)
     noise_offset: float = _f(0.0, help="SDXL: noise offset strength.", min=0.0, max=1.0)
     min_snr_gamma: float = _f(0.0, help="SDXL: min-SNR-γ loss weighting; 0 = off (5 is common).",
                               min=0.0, max=1000.0)

@@ -12,6 +12,8 @@ paper: merging into the quantized weights would add the quantization error to ev
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +58,9 @@ def run_config(run_dir: Path) -> dict[str, Any]:
     return cfg
 
 
+MARKER = "imglora-merge.json"  # written into every merged folder; --force replaces only such folders
+
+
 def merge(run_dir: str | Path, out: str | Path, *, which: str | None = None, dtype: str = "auto",
           force: bool = False, log: Callable[[str], None] = print) -> Path:
     import torch
@@ -82,6 +87,7 @@ def merge(run_dir: str | Path, out: str | Path, *, which: str | None = None, dty
     with rec.phase("save"), atomic.atomic_dir(out) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({"run": str(run_dir), "adapter": str(adapter)}) + "\n")
     rec.set(model_dir=str(model_dir), adapter=str(adapter), out=str(out), dtype=str(merged.dtype).removeprefix("torch."),
             merged_checksums=record.folder_checksums(out))
     rec.write()
@@ -95,5 +101,11 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
         raise ImgloraError(f"--out {out} would replace the run folder {run_dir}; choose another folder")
     if out.exists() and not out.is_dir():
         raise ImgloraError(f"--out {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ImgloraError(f"--out {out} exists and is not empty; choose another folder or add --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ImgloraError(f"--out {out} exists and is not empty; choose another folder or add --force to "
+                               "replace an earlier merge")
+        if not (out / MARKER).is_file():
+            # --force replaces only what imglora merge wrote: never a base model or another folder.
+            raise ImgloraError(f"--out {out} holds files imglora merge did not write (no {MARKER}); --force only "
+                               "replaces an earlier merge. Choose another folder, or remove it yourself")

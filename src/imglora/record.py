@@ -38,6 +38,10 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 def cached_sha256(path: str | Path) -> str:
     """sha256 of a file, remembered by (real path, size, mtime) so big weights are hashed once."""
     path = Path(path).resolve()
+    if path.parent.name == "blobs" and len(path.name) == 64 and all(c in "0123456789abcdef" for c in path.name):
+        # A Hugging Face cache blob of an LFS file is named by the sha256 of its content: no need to
+        # read tens of GB on a fresh rented machine.
+        return path.name
     st = path.stat()
     memo_file = imglora_home() / "checksums.json"
     try:

@@ -116,9 +116,18 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
 
     run_dir = cfg.run_dir
     family = get_family(cfg.model.family)
+    config_dict = cfg.to_dict()
+    # Everything that can refuse the run is checked before any model is loaded (GPU time costs).
+    resume_from = _resume_point(run_dir, config_dict) if resume else None
+    if not resume:
+        _refuse_existing_run(run_dir, preset)
+    _check_optimizer_available(cfg)
     mp = cfg.train.mixed_precision
     accelerator = Accelerator(mixed_precision=("no" if mp == "auto" and not torch.cuda.is_available()
                                                else "bf16" if mp == "auto" else mp))
+    if accelerator.num_processes > 1:
+        raise ImgloraError("multi-GPU training (accelerate launch with more than one process) is not supported "
+                           "yet: run one process per GPU with different runs, or a single process")
     device = accelerator.device
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
     t_setup = time.perf_counter()
@@ -157,11 +166,10 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     out(f"model: {family.name} from {model_dir}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
         f"{n_params:,} trainable parameters, device {device}, {total} updates")
 
-    config_dict = cfg.to_dict()
     config_hash = cfg.hash()
     start = 0
-    if resume:
-        start = _resume(cfg, family, run_dir, model, optimizer, scheduler, config_dict, out)
+    if resume_from is not None:
+        start = _restore(resume_from, family, model, optimizer, scheduler, data.version, total, out)
     log_path = run_dir / "log.jsonl"
     history = _read_log(log_path, upto=start)
 
@@ -172,8 +180,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         t0 = time.perf_counter()
         path = checkpoint.save(run_dir, step, write_adapter=write_adapter, optimizer=optimizer, scheduler=scheduler,
                                config=config_dict, config_hash=config_hash, keep=cfg.train.keep_checkpoints,
-                               extra={"micro_batches_done": step * cfg.train.grad_accum, "epoch":
-                                      batcher.ref(max(0, step * cfg.train.grad_accum - 1)).epoch})
+                               extra={"dataset_version": data.version, "total_updates": total})
         rec.data.setdefault("checkpoint_seconds", []).append(round(time.perf_counter() - t0, 4))
         return path
 
@@ -183,6 +190,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     with rec.phase("checksums"):
         rec.set(model_checksums=record.folder_checksums(model_dir))
     tb = _tensorboard(run_dir)
+    _plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
 
     # -- the loop ------------------------------------------------------------------------------
     accum = cfg.train.grad_accum
@@ -190,6 +198,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first update with a non-finite loss
     loss_sum = torch.zeros((), device=device)
     last_log_t, last_log_step = time.perf_counter(), start
+    paused = 0.0  # seconds since the last log spent saving checkpoints
     last_good_ckpt = start
     step = start
     interrupted = False
@@ -217,11 +226,14 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
             # No .item() here: that would make the host wait for the device every update.
             first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
 
-            if step % cfg.train.log_every == 0 or step == total or stop.signal:
+            if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
                 loss_value = loss_sum.item() / (step - last_log_step)  # a sync point, once per log
                 loss_sum.zero_()
                 now = time.perf_counter()
-                per_update = (now - last_log_t) / (step - last_log_step)
+                # Checkpoint saves since the last log are not update time: the session formula has
+                # its own term for them. (Periodic validation is, amortised.)
+                per_update = (now - last_log_t - paused) / (step - last_log_step)
+                paused = 0.0
                 step_times += [per_update] * (step - last_log_step)
                 last_log_t, last_log_step = now, step
                 _check_finite(first_bad, run_dir, last_good_ckpt)
@@ -236,6 +248,12 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
                     tb.add_scalar("lr", row["lr"], step)
                 out(_progress_line(step, total, row, step_times, device))
                 if projection is None and len(step_times) >= WARMUP_UPDATES + budget.smoke_steps and step < total:
+                    if not rec.data.get("checkpoint_seconds"):
+                        # Measure what a checkpoint costs rather than guess it (and it is a safe point).
+                        with rec.phase("checkpoints"):
+                            save_checkpoint(step)
+                        paused += rec.data["checkpoint_seconds"][-1]
+                        last_good_ckpt = step
                     projection = _project(cfg, rec, step, total, step_times, t_setup)
                     out(projection.text(budget.currency))
                     if projection.over:
@@ -245,10 +263,11 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
                 history.append({"step": step, "val_loss": val, "time": time.time()})
                 _append_log(log_path, history[-1])
                 out(f"  validation loss at update {step}: {val:.4f} ({len(data.validation)} held-out examples)")
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != total:
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (total, last_good_ckpt):
                 _check_finite(first_bad, run_dir, last_good_ckpt)
                 with rec.phase("checkpoints"):
                     save_checkpoint(step)
+                paused += rec.data["checkpoint_seconds"][-1]
                 last_good_ckpt = step
             if stop.signal or stop_signal == "budget":
                 interrupted = True
@@ -260,7 +279,10 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     t_finish = time.perf_counter()
     _check_finite(first_bad, run_dir, last_good_ckpt)
     with rec.phase("checkpoints"):
-        ckpt_path = save_checkpoint(step) if step > start or not checkpoint.list_checkpoints(run_dir) else None
+        if step == last_good_ckpt and step > start:  # already saved at this update
+            ckpt_path = checkpoint.step_dir(run_dir, step)
+        else:
+            ckpt_path = save_checkpoint(step) if step > start or not checkpoint.list_checkpoints(run_dir) else None
     adapter = None
     if not interrupted:
         with atomic.atomic_dir(run_dir / "adapter") as tmp:
@@ -337,25 +359,65 @@ def validation_loss(trainable: Any, samples: list[Any], collate: Callable, devic
     return total / len(samples)
 
 
-def _resume(cfg: Config, family: Any, run_dir: Path, model: Any, optimizer: Any, scheduler: Any, config_dict: dict[str, Any],
-            out: Callable[[str], None]) -> int:
+def _refuse_existing_run(run_dir: Path, preset: str) -> None:
+    """A new run never writes over an earlier one's checkpoints, log or adapter."""
+    ckpts = checkpoint.list_checkpoints(run_dir)
+    if ckpts or (run_dir / "adapter").exists():
+        newest = f" (newest checkpoint: update {ckpts[-1][0]})" if ckpts else ""
+        raise ImgloraError(
+            f"{run_dir} already holds a run{newest}. Continue it with `imglora train {preset or '<preset>'} "
+            "--resume`, or start a new one under another name: --set run.name=<new name>")
+
+
+def _check_optimizer_available(cfg: Config) -> None:
+    if cfg.train.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ImgloraError("train.optimizer = \"adamw8bit\" needs bitsandbytes: `pip install bitsandbytes` "
+                               "(CUDA only), or set train.optimizer = \"adamw\"") from None
+
+
+def _resume_point(run_dir: Path, config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The newest readable checkpoint whose settings match; a broken one is reported and skipped."""
     ckpts = checkpoint.list_checkpoints(run_dir)
     if not ckpts:
         raise checkpoint.ResumeRefused(f"--resume: {run_dir}/checkpoints holds no checkpoint; start without --resume")
-    step, path = ckpts[-1]
-    state = checkpoint.load(path)
-    diffs = checkpoint.config_differences(state["config"], config_dict)
-    if diffs:
-        raise checkpoint.ResumeRefused(
-            f"--resume refused: {path} was trained with different settings that change the result:\n  "
-            + "\n  ".join(diffs) + "\nRestore them, or start a new run (another run.name).")
+    broken = []
+    for step, path in reversed(ckpts):
+        try:
+            state = checkpoint.load(path)
+        except checkpoint.UNREADABLE as exc:  # a checkpoint damaged by a crash or a full disk
+            broken.append(f"{path}: {exc}")
+            continue
+        diffs = checkpoint.config_differences(state["config"], config_dict)
+        if diffs:
+            raise checkpoint.ResumeRefused(
+                f"--resume refused: {path} was trained with different settings that change the result:\n  "
+                + "\n  ".join(diffs) + "\nRestore them, or start a new run (another run.name).")
+        state["step"], state["path"], state["skipped"] = step, path, broken
+        return state
+    raise checkpoint.ResumeRefused("--resume: no readable checkpoint:\n  " + "\n  ".join(broken))
 
+
+def _restore(state: dict[str, Any], family: Any, model: Any, optimizer: Any, scheduler: Any, data_version: str,
+             total: int, out: Callable[[str], None]) -> int:
+    for problem in state["skipped"]:
+        out(f"warning: skipped a damaged checkpoint: {problem}")
+    path = state["path"]
+    if state.get("dataset_version") not in (None, data_version):
+        raise checkpoint.ResumeRefused(
+            f"--resume refused: the dataset changed since {path} (dataset version {state['dataset_version'][:12]} "
+            f"then, {data_version[:12]} now): images, captions or repeats differ, so the run would not continue "
+            "the same training. Restore the data, or start a new run (another run.name).")
+    if state.get("total_updates") not in (None, total):
+        raise checkpoint.ResumeRefused(f"--resume refused: {path} belongs to a run of {state['total_updates']} "
+                                       f"updates, this one would have {total}")
     lora.load_adapter_state(_unwrap(model), family.read_adapter(state["adapter_dir"]))
     optimizer.load_state_dict(state["optimizer_state"])
     scheduler.load_state_dict(state["scheduler"])
-    checkpoint.restore_rng(state)
-    out(f"resuming from {path} (update {step})")
-    return step
+    out(f"resuming from {path} (update {state['step']})")
+    return state["step"]
 
 
 def _unwrap(model: Any) -> Any:
@@ -395,8 +457,15 @@ def _read_log(path: Path, upto: int) -> list[dict[str, Any]]:
     """Rows up to the resumed update; later rows (from the interrupted attempt) are dropped."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] <= upto]
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:  # e.g. the last line of a run killed mid-write
+            print(f"warning: {path}:{n} is not a JSON line; dropped", file=sys.stderr)
+            continue
+        if row is not None and row.get("step", 0) <= upto:
+            rows.append(row)
     atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -409,13 +478,19 @@ def _tensorboard(run_dir: Path) -> Any:
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
-def _plot_loss(history: list[dict[str, Any]], path: Path) -> None:
-    if not history:
-        return
+def _plotting() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_loss(history: list[dict[str, Any]], path: Path) -> None:
+    if not history:
+        return
+    plt = _plotting()
 
     rows = [r for r in history if "loss" in r]
     steps = [r["step"] for r in rows]

@@ -182,3 +182,34 @@ def test_cli_bad_dataset_names_every_file(setup, tmp_path: Path) -> None:
     for name in ("zero.png", "broken.jpg", "nocaption.png"):
         assert name in r.output
     assert "Traceback" not in r.output
+
+
+def test_bucket_geometry_the_model_cannot_take_is_refused_before_encoding(setup) -> None:
+    from imglora.errors import ConfigError
+
+    _, overrides, _ = setup
+    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.bucket_step=8"])
+    with pytest.raises(ConfigError, match="data.bucket_step = 8 must be a multiple of 16 for the flux family"):
+        cache.scan(cfg, get_family("flux"))
+    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.buckets=false", "data.resolution=200"])
+    with pytest.raises(ConfigError, match="data.resolution = 200 must be a multiple of 16 with data.buckets = false"):
+        cache.scan(cfg, get_family("flux"))
+
+
+def test_non_finite_encodings_are_never_cached(setup, monkeypatch) -> None:
+    from imglora.errors import DataError
+    from imglora.families import sdxl
+
+    _, _, load = setup
+    real = sdxl.SdxlFamily.encode_image
+
+    def overflow(self, vae, pixels):
+        out = real(self, vae, pixels)
+        out["latents"][0, 0, 0] = float("inf")
+        return out
+
+    monkeypatch.setattr(sdxl.SdxlFamily, "encode_image", overflow)
+    with pytest.raises(DataError, match="encoding gave NaN or infinite values .*use \"bf16\" or \"fp32\""):
+        fill(load)
+    cfg = load()[0]
+    assert not list((Path(cfg.cache.dir) / "latents").rglob("*.safetensors"))

@@ -322,6 +322,10 @@ def test_adapter_loads_in_peft_changes_logits_and_merges(run, model_dir: Path, t
     with pytest.raises(ImgloraError, match="exists and is not empty"):
         merge(cfg.run_dir, out, log=quiet)
     assert merge(cfg.run_dir, out, which="latest", force=True, log=quiet) == out
+    # --force replaces an earlier merge only, never e.g. the base model's folder.
+    with pytest.raises(ImgloraError, match="--force only replaces an earlier merge"):
+        merge(cfg.run_dir, model_dir, force=True, log=quiet)
+    assert (model_dir / "config.json").is_file()
     with pytest.raises(ImgloraError, match="no such checkpoint"):
         merge(cfg.run_dir, tmp_path / "x", which="3", log=quiet)
 

@@ -60,7 +60,10 @@ class Batcher:
     def batch(self, micro_index: int, device: torch.device) -> dict[str, torch.Tensor]:
         ref = self.ref(micro_index)
         entries = [self.samples[i].variants[v] for i, v in zip(ref.indices, ref.variants)]
-        return {k: t.to(device, non_blocking=True) for k, t in self.collate(entries).items()}
+        batch = self.collate(entries)
+        if device.type == "cuda":  # only a copy from page-locked memory is truly asynchronous
+            batch = {k: t.pin_memory() for k, t in batch.items()}
+        return {k: t.to(device, non_blocking=True) for k, t in batch.items()}
 
 
 def stack(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

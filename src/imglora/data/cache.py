@@ -147,6 +147,7 @@ def _checksum(tensors: dict[str, "torch.Tensor"]) -> str:
 def scan(cfg: "Config", family: "Family") -> ScanResult:
     """Every image the run uses: data.dir's, then eval.holdout_dir's (held out; see split_holdout)."""
     d = cfg.data
+    _check_geometry(cfg, family)
 
     def one(root: str, repeats: int) -> ScanResult:
         return scan_dataset(
@@ -203,6 +204,22 @@ def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan
                      the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities))
 
 
+def _check_geometry(cfg: "Config", family: "Family") -> None:
+    """Bucket sides the model cannot take (e.g. an odd FLUX latent) fail here, before any encoder runs."""
+    from ..errors import ConfigError
+
+    d, step = cfg.data, family.bucket_step
+    problems = []
+    if d.bucket_step and d.bucket_step % step:
+        problems.append(f"{cfg.source}: data.bucket_step = {d.bucket_step} must be a multiple of {step} for the "
+                        f"{family.name} family")
+    if not d.buckets and d.resolution % (d.bucket_step or step):
+        problems.append(f"{cfg.source}: data.resolution = {d.resolution} must be a multiple of "
+                        f"{d.bucket_step or step} with data.buckets = false")
+    if problems:
+        raise ConfigError(problems, cfg.source)
+
+
 def plan(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
          scanned: ScanResult | None = None) -> CachePlan:
     """Compute every entry's key without loading a model or decoding an image."""
@@ -252,7 +269,8 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
         vae = family.load_vae(model_dir, torch.device(device), dtype)
         stats.loaded_vae = True
         for i, spec in enumerate(todo_lat, 1):
-            cache.put("latents", spec.key, encode_latent(family, vae, spec, cfg.data.crop))
+            cache.put("latents", spec.key, _finite(encode_latent(family, vae, spec, cfg.data.crop), str(spec.item.path),
+                                                  the_plan.encoder_dtype))
             stats.latents_encoded += 1
             if progress:
                 _progress("latents", i, len(todo_lat))
@@ -264,7 +282,8 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
         encoders = family.load_text_encoders(model_dir, torch.device(device), torch_dtype(the_plan.encoder_dtype))
         stats.loaded_text_encoders = True
         for i, spec in enumerate(todo_txt, 1):
-            cache.put("text", spec.key, family.encode_text(encoders, spec.caption, the_plan.text_max_length))
+            cache.put("text", spec.key, _finite(family.encode_text(encoders, spec.caption, the_plan.text_max_length),
+                                                f"caption {spec.caption!r}", the_plan.encoder_dtype))
             stats.texts_encoded += 1
             if progress:
                 _progress("text", i, len(todo_txt))
@@ -273,6 +292,19 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
     write_manifest(cfg, the_plan)
     stats.seconds = time.perf_counter() - t0
     return the_plan, stats
+
+
+def _finite(tensors: dict[str, "torch.Tensor"], what: str, dtype: str) -> dict[str, "torch.Tensor"]:
+    """Never cache NaN or infinity: it would poison every run that reads the entry."""
+    import torch
+
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        from ..errors import DataError
+
+        raise DataError([f"{what}: encoding gave NaN or infinite values ({', '.join(bad)}) with cache.encoder_dtype "
+                         f"{dtype!r}; the SDXL VAE overflows in fp16 — use \"bf16\" or \"fp32\""])
+    return tensors
 
 
 def encode_latent(family: "Family", vae: Any, spec: LatentSpec, crop: str) -> dict[str, "torch.Tensor"]:

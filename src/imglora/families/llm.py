@@ -164,7 +164,7 @@ class LlmFamily:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from .sdxl import random_init
+        from .diffusers_common import random_init
 
         config = AutoConfig.for_model(**FULL_CONFIG)
         with init_empty_weights(include_buffers=False):  # weights on meta, RoPE's inv_freq computed

@@ -150,7 +150,9 @@ class SdxlTrainable:
             noise = noise + self.noise_offset * torch.randn((n, latents.shape[1], 1, 1), generator=generator,
                                                             device=device, dtype=latents.dtype)
         t = torch.randint(0, self.num_timesteps, (n,), generator=generator, device=device)
-        abar = self.alphas_cumprod.to(device)[t].view(n, 1, 1, 1)
+        if self.alphas_cumprod.device != device:  # once: a per-step host-to-device copy would sync
+            self.alphas_cumprod = self.alphas_cumprod.to(device)
+        abar = self.alphas_cumprod[t].view(n, 1, 1, 1)
         noisy = abar.sqrt() * latents + (1 - abar).sqrt() * noise
         target = noise if self.prediction_type == "epsilon" else abar.sqrt() * noise - (1 - abar).sqrt() * latents
         dtype = self.model.dtype
