@@ -225,9 +225,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     from . import config, lora, record, telemetry
     from .families import get_family
     from .memory.fp8 import weight_bytes
-    from .memory.wrap import apply_memory
     from .models import resolve_model
-    from .train import make_optimizer
+    from .train import adapt, make_optimizer, weight_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}",
@@ -242,9 +241,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         overrides.append(f"data.resolution={spec['resolution']}")
     cfg = config.load(spec["preset"], overrides)
     family = get_family(cfg.model.family)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
-    if device.type == "cpu":
-        dtype = torch.float32
+    dtype = weight_dtype(cfg, device)
     result: dict[str, Any] = {"device": device.type, "environment": record.environment()}
     stage = "load"
     t0 = time.perf_counter()
@@ -256,11 +253,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             model_dir = resolve_model(cfg.model.path, cfg.model.family)
             trainable = family.load_trainable(model_dir, cfg, device, dtype)
         model = trainable.model
-        lora.inject(model, family, cfg.lora, cfg.train.seed)
-        for p in lora.trainable_parameters(model):
-            p.data = p.data.float()
         stage = "memory setup"
-        memory = apply_memory(model, family, cfg.memory, device, out=lambda s: None)
+        _, memory = adapt(trainable, family, cfg, device, out=lambda s: None)
         result["weight_bytes"] = weight_bytes(model)
         if spec["arch"] != "full":
             batches, data_source = _cached_or_synthetic(cfg, family, model_dir, trainable, device)
@@ -269,6 +263,9 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         result["data"] = data_source
         params = lora.trainable_parameters(model)
         optimizer = make_optimizer(cfg, params)
+        # The trainer's mixed precision (accelerate): "auto" is bf16 on CUDA and none on the CPU.
+        mp = cfg.train.mixed_precision
+        amp = None if device.type == "cpu" or mp == "no" else torch.float16 if mp == "fp16" else torch.bfloat16
         result["setup_seconds"] = time.perf_counter() - t0
         times = []
         h2d = []
@@ -280,11 +277,13 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
                 batch = batches[(step * cfg.train.grad_accum + micro) % len(batches)]
                 memory.before_forward()
                 stage = "forward"
-                with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda" and dtype != torch.float32):
+                with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                     loss = trainable.loss(batch, torch.Generator(device=device).manual_seed(step)) / cfg.train.grad_accum
                 stage = "backward"
                 loss.backward()
             stage = "optimizer"
+            if cfg.train.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync(device)
@@ -310,8 +309,7 @@ def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any,
     from .data import cache
 
     if not family.vae_folders(model_dir):  # a family without an encoder cache (llm): its data is cheap to prepare
-        data = family.prepare_data(cfg, model_dir, device)
-        return [{k: v.to(device) for k, v in family.collate([s.variants[0]]).items()} for s in data.samples], "data"
+        return _batches(family.prepare_data(cfg, model_dir, device).samples, cfg, family, device), "data"
     the_plan = cache.plan(cfg, family, model_dir, device)
     store = cache.Cache(cfg.cache.dir)
     complete = all(store.has("latents", s.key) for s in the_plan.latents) and \
@@ -319,8 +317,15 @@ def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any,
     if not complete:
         return [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)], "synthetic"
     samples = cache.load_samples(cfg, family, model_dir, device, the_plan)
-    batches = [{k: v[None].to(device) for k, v in s.variants[0].items()} for s in samples]
-    return batches, "cache"
+    return _batches(samples, cfg, family, device), "cache"
+
+
+def _batches(samples: list[Any], cfg: Any, family: Any, device: Any) -> list[dict[str, Any]]:
+    """One epoch of training batches, built by the trainer's own batcher (same sizes and grouping)."""
+    from .data.batches import Batcher
+
+    batcher = Batcher(samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
+    return [batcher.batch(i, device) for i in range(batcher.per_epoch)]
 
 
 def _sync(device: Any) -> None:

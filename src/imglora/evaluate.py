@@ -263,9 +263,9 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
         raise ImgloraError("no adapter strengths to evaluate; give e.g. --strengths 0,0.5,1")
     seed = cfg.eval.seed if seed is None else seed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
-    if device.type == "cpu":
-        dtype = torch.float32  # as in training: CPU kernels for half precision are slow or missing
+    from .train import weight_dtype
+
+    dtype = weight_dtype(cfg, device)  # as in training
 
     rec = record.RunRecord("eval", run_dir, cfg.to_dict())
     peaks = _PhasePeaks(rec, device)
@@ -289,7 +289,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
               prompts_file: str | Path | None, strengths: list[float], seed: int, device: torch.device,
               dtype: torch.dtype, rec: record.RunRecord, peaks: "_PhasePeaks", result: EvalResult,
               out: Callable[[str], None]) -> None:
-    from .memory.wrap import apply_memory
+    from .train import adapt
     from .models import resolve_model
 
     with peaks.phase("resolve_model"):
@@ -309,10 +309,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     with peaks.phase("load_model"):
         trainable = family.load_trainable(model_dir, cfg, device, dtype)
         model = trainable.model
-        lora.inject(model, family, cfg.lora, cfg.train.seed)
-        for p in lora.trainable_parameters(model):
-            p.data = p.data.float()  # as in training: the LoRA weights are fp32
-        memory = apply_memory(model, family, cfg.memory, device, out)
+        _, memory = adapt(trainable, family, cfg, device, out)
         model.eval()
         if memory.swapper is None and not cfg.memory.fp8 and cfg.memory.quantization == "none":
             # torch picks another matmul path (at::matmul folds batch dimensions) when a weight requires

@@ -51,6 +51,26 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
+def weight_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The frozen base weights' dtype: the preset's on a GPU, fp32 on the CPU (whose half-precision
+    kernels are slow or missing)."""
+    if device.type == "cpu":
+        return torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
+
+
+def adapt(trainable: Any, family: Any, cfg: Config, device: torch.device,
+          out: Callable[[str], None] = print) -> tuple[Any, Any]:
+    """LoRA on the loaded model, then its memory features; the same for training, bench and eval.
+
+    Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
+    """
+    lora_config = lora.inject(trainable.model, family, cfg.lora, cfg.train.seed)
+    for p in lora.trainable_parameters(trainable.model):
+        p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
+    return lora_config, apply_memory(trainable.model, family, cfg.memory, device, out)  # fp8, swap, device
+
+
 def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     t = cfg.train
     if t.optimizer == "adamw":
@@ -143,15 +163,9 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     out(f"data: {data.summary}")
 
     with rec.phase("load_model"):
-        weight_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.dtype]
-        if device.type == "cpu":
-            weight_dtype = torch.float32  # CPU kernels for half precision are slow or missing
-        trainable = family.load_trainable(model_dir, cfg, device, weight_dtype)
+        trainable = family.load_trainable(model_dir, cfg, device, weight_dtype(cfg, device))
         model = trainable.model
-        lora_config = lora.inject(model, family, cfg.lora, cfg.train.seed)
-        for p in lora.trainable_parameters(model):
-            p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
-        memory = apply_memory(model, family, cfg.memory, device, out)  # fp8, block swap, then to the device
+        lora_config, memory = adapt(trainable, family, cfg, device, out)
         model.train()
         params = lora.trainable_parameters(model)
         optimizer = make_optimizer(cfg, params)
