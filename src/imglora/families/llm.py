@@ -139,10 +139,12 @@ class LlmFamily:
             attention_mask[i, :k] = 1
         keep = torch.zeros((len(entries), n), dtype=torch.bool)
         keep[:, :-1] = labels[:, 1:] != IGNORE
-        # Built here on the host, so the step needs no data-dependent shape (no device sync).
+        # Built here on the host, so the step needs no data-dependent shape (a boolean mask on the
+        # device would be a nonzero(), i.e. a host-device sync, every micro-batch).
         targets = labels[:, 1:][keep[:, :-1]]
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "keep": keep,
-                "targets": targets}
+        positions = keep.flatten().nonzero().squeeze(1)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                "positions": positions, "targets": targets}
 
     # -- model --------------------------------------------------------------------------------
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "LlmTrainable":
@@ -246,13 +248,12 @@ class LlmTrainable:
         self.model = model
 
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> torch.Tensor:
-        # logits_to_keep with a boolean mask: the (vocabulary-wide, so large) logits are computed
-        # only at the positions the loss reads, [N, vocab] instead of [batch, length, vocab].
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         logits_to_keep=batch["keep"], use_cache=False)
-        logits = out.logits
-        if logits.dim() == 3:  # a model that ignores the mask returns every position
-            logits = logits[batch["keep"]]
+        # The (vocabulary-wide, so large) logits are computed only at the positions the loss reads:
+        # [N, vocab] instead of [batch, length, vocab]. Positions come from the host (see collate).
+        hidden = self.model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                          use_cache=False).last_hidden_state
+        picked = hidden.flatten(0, 1).index_select(0, batch["positions"])
+        logits = self.model.get_output_embeddings()(picked)
         return torch.nn.functional.cross_entropy(logits.float(), batch["targets"])
 
 
