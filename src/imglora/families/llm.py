@@ -120,9 +120,10 @@ class LlmFamily:
         if not train_samples:
             raise DataError([f"{cfg.data.file}: no conversation has an assistant token within data.max_seq_len"])
         supervised = sum(int((s.variants[0]["labels"] != IGNORE).sum()) for s in train_samples)
-        held = f", {len(valid_samples)} held out for validation" if valid_samples else ""
-        summary = (f"{len(train_samples)} conversations{held} from {cfg.data.file}; {supervised:,} assistant tokens "
-                   f"trained on; {report.summary()}")
+        source = cfg.eval.holdout_file or f"a {cfg.eval.holdout_fraction:g} split of {cfg.data.file}"
+        held = f"; {len(valid_samples)} for validation from {source}" if valid_samples else ""
+        summary = (f"{len(train_samples)} training conversations from {cfg.data.file}{held}; {supervised:,} "
+                   f"assistant tokens trained on; {report.summary()}")
         return PreparedData(train_samples, dataset_version(cfg), tuple(warnings), summary, valid_samples)
 
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
