@@ -194,6 +194,7 @@ def diffusers_sampler(family: "Family", model_dir: Path, model: torch.nn.Module,
     denoiser, without text encoders: prompts arrive as embeddings (see encode_with_text_encoders)."""
     import diffusers
 
+    diffusers.utils.logging.disable_progress_bar()  # imglora prints its own progress
     vae = family.load_vae(model_dir, device, dtype)
     none = {name: None for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
     pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir, vae=vae, **none,
@@ -349,8 +350,10 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
                         base_images = [grid[i][j] for i in range(len(prompts))]
             folder = run_dir / "eval" / f"step-{step:06d}"
             lo = result.losses[step]
-            title = (f"{run_dir.name} - step {step} - held-out loss {_fmt(lo['heldout'])} "
-                     f"(base model {_fmt(result.base_loss['heldout'])})")
+            kind = "heldout" if lo["heldout"] is not None else "train"
+            label = "held-out loss" if kind == "heldout" else "training-image loss"
+            title = (f"{run_dir.name} - step {step} - {label} {_fmt(lo[kind])} "
+                     f"(base model {_fmt(result.base_loss[kind])})")
             result.images[step], result.sheets[step] = _write_outputs(folder, grid, prompts, strengths, title)
             out(f"  step {step}: held-out loss {_fmt(lo['heldout'])}, training-image loss {_fmt(lo['train'])}; "
                 f"{len(prompts) * len(strengths)} samples, sheet {result.sheets[step]}")
