@@ -46,26 +46,32 @@ LORA_MODULE_NAMES = frozenset(
 
 
 @dataclass(frozen=True)
-class Fp8Report:
+class QuantReport:
+    """What quantizing a model's frozen Linear weights did (fp8 here, 4-bit in quant4.py)."""
+
     bytes_before: int
     """Bytes of every parameter and buffer of the model before quantization."""
     bytes_after: int
-    """The same after quantization, counting quanto's fp8 data and its scales."""
+    """The same after quantization, counting the packed data and its scales."""
     n_quantized: int
-    """Frozen ``nn.Linear`` layers now stored in fp8."""
+    """Frozen ``nn.Linear`` layers now stored in low precision."""
     n_kept: int
     """Frozen ``nn.Linear`` layers kept in high precision because ``exclude`` matched them."""
     kept: tuple[str, ...] = ()
     """Names of those kept layers (as in ``model.named_modules()``)."""
+    kind: str = "fp8"
+    """fp8, qint4 or nf4."""
 
     def summary(self) -> str:
         def size(n: int) -> str:
             return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
-        return (
-            f"fp8: {self.n_quantized} Linear layers quantized, {self.n_kept} kept in high precision; "
-            f"weights {size(self.bytes_before)} -> {size(self.bytes_after)}"
-        )
+        bits = "" if self.kind == "fp8" else " to 4 bits"
+        return (f"{self.kind}: {self.n_quantized} Linear layers quantized{bits}, {self.n_kept} kept in high "
+                f"precision; weights {size(self.bytes_before)} -> {size(self.bytes_after)}")
+
+
+Fp8Report = QuantReport
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -23,46 +23,22 @@ Neither layout can be merged into (``merge_and_unload``): the trainer saves adap
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
 from ..errors import ImgloraError
-from .fp8 import _linear_targets, _set_submodule, weight_bytes
+from .fp8 import QuantReport, _linear_targets, _set_submodule, weight_bytes
 
-__all__ = ["Quant4Report", "quantize_4bit"]
+__all__ = ["quantize_4bit"]
 
 NF4_NEEDS_BNB = ("memory.quantization = \"nf4\" needs bitsandbytes (CUDA): pip install bitsandbytes, "
                  "or use qint4")
 
 
-@dataclass(frozen=True)
-class Quant4Report:
-    kind: str
-    """``qint4`` or ``nf4``."""
-    bytes_before: int
-    """Bytes of every parameter and buffer of the model before quantization."""
-    bytes_after: int
-    """The same after quantization (packed 4-bit data plus quanto's scales and shifts; for nf4 the
-    packed data, bitsandbytes' absmax statistics live outside the parameters)."""
-    n_quantized: int
-    """Frozen ``nn.Linear`` layers now stored in 4 bits."""
-    n_kept: int
-    """Frozen ``nn.Linear`` layers kept in high precision because ``exclude`` matched them."""
-    kept: tuple[str, ...] = ()
-
-    def summary(self) -> str:
-        def size(n: int) -> str:
-            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-        return (f"{self.kind}: {self.n_quantized} Linear layers quantized to 4 bits, {self.n_kept} kept in high "
-                f"precision; weights {size(self.bytes_before)} -> {size(self.bytes_after)}")
-
-
 def quantize_4bit(model: nn.Module, exclude: Sequence[str] = (), kind: Literal["qint4", "nf4"] = "qint4", *,
-                  device: torch.device | str | None = None) -> Quant4Report:
+                  device: torch.device | str | None = None) -> QuantReport:
     """Store the frozen ``nn.Linear`` weights of ``model`` in 4 bits, in place.
 
     ``exclude``: fnmatch patterns on module names (``"lm_head"``), as for fp8. ``device`` matters
@@ -79,7 +55,7 @@ def quantize_4bit(model: nn.Module, exclude: Sequence[str] = (), kind: Literal["
             _quantize_qint4(model, names)
         else:
             _quantize_nf4(model, names, device)
-    return Quant4Report(kind, bytes_before, weight_bytes(model), len(names), len(kept), tuple(kept))
+    return QuantReport(bytes_before, weight_bytes(model), len(names), len(kept), tuple(kept), kind)
 
 
 def _quantize_qint4(model: nn.Module, names: list[str]) -> None:
