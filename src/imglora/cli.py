@@ -26,7 +26,8 @@ class _Group(click.Group):
             sys.exit(exc.exit_code)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100,
+                                           "terminal_width": 100})
 @click.version_option(__version__, prog_name="imglora")
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging.")
 def main(verbose: bool) -> None:
@@ -55,7 +56,7 @@ def _device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@main.command("config")
+@main.command("config", short_help="Check a preset and print the resolved config as TOML.")
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--keys", is_flag=True, help="List every key with its default and meaning instead.")
@@ -70,7 +71,7 @@ def config_cmd(preset: str, overrides: tuple[str, ...], keys: bool) -> None:
     click.echo(_load(preset, overrides).to_toml(), nl=False)
 
 
-@main.command("cache-latents")
+@main.command("cache-latents", short_help="Encode latents and text embeddings once into the cache.")
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--verify", is_flag=True, help="Re-check every cache entry and report stale, missing or corrupt ones.")
@@ -118,7 +119,7 @@ def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> 
     click.echo(f"record: {path}")
 
 
-@main.command("train")
+@main.command("train", short_help="Train a LoRA: cache, train, checkpoint, adapter, record.")
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint of the run folder.")
@@ -134,7 +135,7 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
         sys.exit(3)  # stopped by the budget guard: the work is saved, but the run is not finished
 
 
-@main.command("export")
+@main.command("export", short_help="Write a ComfyUI-ready .safetensors and ComfyUI workflows.")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--checkpoint", default="latest", show_default=True,
               help="latest, final, or a checkpoint's update number.")
@@ -158,7 +159,7 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
     click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
 
 
-@main.command("bench-swap")
+@main.command("bench-swap", short_help="Measure s/update and peak memory per block-swap setting.")
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--blocks", default="0,9,18,27", show_default=True,
@@ -183,7 +184,7 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
                      timeout=timeout, out=click.echo)
 
 
-@main.command("estimate")
+@main.command("estimate", short_help="Session time and cost from measured phases and offers.")
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
 @click.option("--bench", "bench_file", type=click.Path(dir_okay=False), help="Use a bench-swap result (bench.json).")
 @click.option("--setting", help="With --bench: the setting to use (default: the fastest that ran).")

@@ -28,7 +28,7 @@ def _checkpoint(ctx: click.Context, param: click.Parameter, value: str) -> str |
     raise click.BadParameter(f"{value!r}: expected an update number, latest or final")
 
 
-@click.command("eval")
+@click.command("eval", short_help="Evaluate a run: contact sheets, held-out loss, best checkpoint.")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--checkpoint", "which", default="latest", show_default=True, metavar="STEP|latest|final",
               callback=_checkpoint, help="Which adapter: a checkpoint's update number, the newest one, or "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 
-@click.command("merge")
+@click.command("merge", short_help="LLM: merge the adapter into the base and save a model folder.")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--out", required=True, type=click.Path(), help="Folder for the merged model (a normal transformers folder).")
 @click.option("--checkpoint", "which", default=None, metavar="STEP|latest",
