@@ -70,3 +70,27 @@ def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_pat
     assert "error (memory setup)" in r.output and "best: " in r.output
     assert (out / "bench.csv").read_text().splitlines()[0].startswith("setting,status,s/update median")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("family", ["flux", "sdxl"])
+def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
+    """`--arch full` builds the real architecture on the meta device, then fills it; here with the
+    same code on a shrunk config (the real ones need a GPU box's memory)."""
+    from imglora.families import flux, sdxl
+
+    monkeypatch.setattr(flux, "FULL_TRANSFORMER", {"guidance_embeds": True, "num_layers": 2, "num_single_layers": 4,
+                                                   "attention_head_dim": 16, "num_attention_heads": 2,
+                                                   "joint_attention_dim": 32, "pooled_projection_dim": 32,
+                                                   "axes_dims_rope": (4, 6, 6)})
+    monkeypatch.setattr(sdxl, "FULL_UNET", {**sdxl.FULL_UNET, "block_out_channels": (32, 64, 64),
+                                            "attention_head_dim": (2, 4, 4), "transformer_layers_per_block": (1, 1, 1),
+                                            "cross_attention_dim": 64, "addition_time_embed_dim": 8,
+                                            "projection_class_embeddings_input_dim": 6 * 8 + 32, "norm_num_groups": 8})
+    preset = TINY_FLUX if family == "flux" else str(REPO / "presets" / "tiny-sdxl.toml")
+    blocks = 4 if family == "flux" else 0
+    r = bench.run_setting({"preset": preset, "overrides": ["cache.text_max_length=16"], "precision": "fp8",
+                           "blocks": blocks, "steps": 1, "warmup": 1, "resolution": 64, "arch": "full"})
+    assert r["status"] == "ok", r
+    assert r["sec_per_update"]["n"] == 1 and r["weight_bytes"] > 0
+    if family == "flux":
+        assert r["swap"]["swapped_blocks"] == 2 + 4 and r["h2d_bytes_per_update"] > 0

@@ -86,8 +86,7 @@ class FluxFamily:
         from diffusers import FluxTransformer2DModel
 
         with torch.device("meta"):
-            # FluxTransformer2DModel's defaults are FLUX.1-dev's: 19 double, 38 single blocks, 3072 wide.
-            transformer = FluxTransformer2DModel(guidance_embeds=True)
+            transformer = FluxTransformer2DModel(**FULL_TRANSFORMER)
         transformer = common.random_init(transformer, dtype)
         if cfg.memory.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
@@ -114,6 +113,11 @@ class FluxFamily:
 
         # FLUX.1-dev is guidance-distilled: 3.5 is its usual embedded guidance at inference.
         return diffusers_sampler(self, model_dir, model, cfg, device, dtype, default_guidance=3.5)
+
+
+# FluxTransformer2DModel's defaults are FLUX.1-dev's (19 double + 38 single blocks, 3072 wide);
+# dev also has the guidance embedding. Used by `bench-swap --arch full` before a download.
+FULL_TRANSFORMER: dict[str, Any] = {"guidance_embeds": True}
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
