@@ -198,13 +198,13 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         rec.data.setdefault("checkpoint_seconds", []).append(round(time.perf_counter() - t0, 4))
         return path
 
-    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
-            dataset_version=data.version, dataset_items=len(data.samples),
-            trainable_parameters=n_params, total_updates=total, resumed_from=start or None, memory=memory.facts)
-    with rec.phase("checksums"):
+    with rec.phase("checksums"):  # hashed once per file and remembered (record.cached_sha256)
         rec.set(model_checksums=record.folder_checksums(model_dir))
     tb = _tensorboard(run_dir)
     _plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
+    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
+            dataset_version=data.version, dataset_items=len(data.samples),
+            trainable_parameters=n_params, total_updates=total, resumed_from=start or None, memory=memory.facts)
 
     # -- the loop ------------------------------------------------------------------------------
     accum = cfg.train.grad_accum
