@@ -23,14 +23,6 @@ FLUX_LORA = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "ad
 FLUX_EXCLUDE = ["x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: intra-op threads only add contention on a shared 2-core runner.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def is_fp8(module: nn.Module) -> bool:
     from optimum.quanto import QModuleMixin
