@@ -273,3 +273,18 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_p
     (tmp_path / "data" / "01_sky.txt").write_text("sks toy, another caption")
     with pytest.raises(checkpoint.ResumeRefused, match="the dataset changed since"):
         train(cfg, resume=True, out=quiet)
+
+
+def test_missing_bitsandbytes_or_cuda_fails_before_anything_loads(monkeypatch, tmp_path) -> None:
+    from imglora.errors import ImgloraError
+    from imglora.families import llm
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the dependency check")
+
+    monkeypatch.setattr(llm.LlmFamily, "prepare_data", never)
+    monkeypatch.setattr(llm.LlmFamily, "load_trainable", never)
+    cfg = config.load(REPO / "presets" / "tiny-llm.toml", ['memory.quantization="nf4"',
+                                                          f"run.output_dir={json.dumps(str(tmp_path))}"])
+    with pytest.raises(ImgloraError, match='memory.quantization = "nf4" needs (bitsandbytes|a CUDA GPU)'):
+        train(cfg, out=quiet)

@@ -141,7 +141,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     resume_from = _resume_point(run_dir, config_dict) if resume else None
     if not resume:
         _refuse_existing_run(run_dir, preset)
-    _check_optimizer_available(cfg)
+    _check_dependencies(cfg)
     mp = cfg.train.mixed_precision
     accelerator = Accelerator(mixed_precision=("no" if mp == "auto" and not torch.cuda.is_available()
                                                else "bf16" if mp == "auto" else mp))
@@ -383,13 +383,20 @@ def _refuse_existing_run(run_dir: Path, preset: str) -> None:
             "--resume`, or start a new one under another name: --set run.name=<new name>")
 
 
-def _check_optimizer_available(cfg: Config) -> None:
-    if cfg.train.optimizer == "adamw8bit":
+def _check_dependencies(cfg: Config) -> None:
+    """Settings that need bitsandbytes (and CUDA) fail before any model is loaded."""
+    needs = [(cfg.train.optimizer == "adamw8bit", 'train.optimizer = "adamw8bit"', 'train.optimizer = "adamw"'),
+             (cfg.memory.quantization == "nf4", 'memory.quantization = "nf4"', 'memory.quantization = "qint4"')]
+    for wanted, setting, instead in needs:
+        if not wanted:
+            continue
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise ImgloraError("train.optimizer = \"adamw8bit\" needs bitsandbytes: `pip install bitsandbytes` "
-                               "(CUDA only), or set train.optimizer = \"adamw\"") from None
+            raise ImgloraError(f"{setting} needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or set "
+                               f"{instead}") from None
+        if not torch.cuda.is_available():
+            raise ImgloraError(f"{setting} needs a CUDA GPU; on this machine set {instead}")
 
 
 def _resume_point(run_dir: Path, config_dict: dict[str, Any]) -> dict[str, Any]:
