@@ -1,7 +1,7 @@
 """Export: key forms ComfyUI maps completely, exact deltas, diffusers loading, ComfyUI folders, workflows.
 
 "ComfyUI maps every key" is checked by ``comfy_load`` below, which reproduces ComfyUI's
-``comfy.lora.load_lora`` (notes/research.md §1) against a key map derived from the model's own
+``comfy.lora.load_lora`` (ComfyUI's key mapping) against a key map derived from the model's own
 module list; the fused FLUX form is checked through diffusers' independent BFL -> diffusers converter.
 """
 

@@ -12,7 +12,7 @@ confused, because multiplying micro-batch time by optimizer steps under-counts b
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,6 @@ class Measured:
     grad_accum: int = 1
     actual_seconds: float | None = None
     source: str = ""
-    notes: list[str] = field(default_factory=list)
 
 
 def from_run(run_dir: Path) -> Measured:

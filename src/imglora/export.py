@@ -1,6 +1,6 @@
 """Export a trained adapter as a LoRA that ComfyUI's stock loaders map completely.
 
-Key forms (see notes/research.md for the ComfyUI and diffusers code they were checked against):
+Key forms (checked against ComfyUI's comfy/lora.py and diffusers' lora_conversion_utils.py):
 
 - SDXL: kohya form with diffusers module paths, ``lora_unet_<path, dots as underscores>.lora_down.weight``
   / ``.lora_up.weight`` / ``.alpha``. ComfyUI maps every UNet Linear/Conv2d name in this form;

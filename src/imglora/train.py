@@ -169,8 +169,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         model.train()
         params = lora.trainable_parameters(model)
         optimizer = make_optimizer(cfg, params)
-        batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, accelerator.process_index,
-                          accelerator.num_processes, collate=family.collate)
+        batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
         total = total_updates(cfg, batcher.per_epoch)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.train.scheduler, cfg.train.warmup_steps, total))

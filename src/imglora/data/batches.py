@@ -23,14 +23,13 @@ class BatchRef:
 
 
 class Batcher:
-    def __init__(self, samples: list[Sample], batch_size: int, seed: int, rank: int = 0, world: int = 1,
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int,
                  collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None):
         if not samples:
             raise ValueError("no training samples")
         self.samples = samples
         self.batch_size = batch_size
         self.seed = seed
-        self.rank, self.world = rank, world
         self.collate = collate or stack
         self.per_epoch = len(self._epoch(0))
 
@@ -47,8 +46,7 @@ class Batcher:
         rng.shuffle(batches)
         refs = [BatchRef(epoch, tuple(b), tuple(rng.randrange(len(self.samples[i].variants)) for i in b))
                 for b in batches]
-        # Each process takes its share; with one process this is every batch.
-        return refs[self.rank::self.world] if self.world > 1 else refs
+        return refs
 
     def ref(self, micro_index: int) -> BatchRef:
         """The batch for the ``micro_index``-th micro-batch of the run (0-based)."""

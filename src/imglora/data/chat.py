@@ -48,11 +48,6 @@ class Conversation:
         last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
         return [dict(m) for m in self.messages[:last]]
 
-    @property
-    def reference(self) -> str:
-        """The last assistant turn (the answer the data gives)."""
-        return next(m["content"] for m in reversed(self.messages) if m["role"] == "assistant")
-
 
 def read_jsonl(path: str | Path) -> list[Conversation]:
     """Every conversation of ``path``; one ``DataError`` lists every malformed line."""

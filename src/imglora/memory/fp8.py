@@ -29,7 +29,7 @@ same class. **Move a quantized model with** :func:`to_device`, **not** ``module.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
@@ -230,10 +230,3 @@ def quantize_fp8(model: nn.Module, exclude: Sequence[str] = ()) -> Fp8Report:
         kept=tuple(kept),
     )
 
-
-def quantized_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """``(name, module)`` for every module of ``model`` holding a quanto-quantized weight."""
-    for name, mod in model.named_modules():
-        w = getattr(mod, "weight", None)
-        if isinstance(w, torch.Tensor) and is_traceable_wrapper_subclass(w):
-            yield name, mod
