@@ -72,6 +72,13 @@ def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_pat
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("args, option", [(["--steps", "-3"], "--steps"), (["--warmup", "-1"], "--warmup"),
+                                          (["--timeout", "0"], "--timeout")])
+def test_bad_numbers_exit_2_naming_the_option(args, option) -> None:
+    r = CliRunner().invoke(main, ["bench-swap", TINY_FLUX, *args])
+    assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output
+
+
 @pytest.mark.parametrize("family", ["flux", "sdxl"])
 def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
     """`--arch full` builds the real architecture on the meta device, then fills it; here with the

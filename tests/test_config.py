@@ -9,7 +9,8 @@ from imglora import config
 from imglora.cli import main
 from imglora.errors import ConfigError
 
-PRESETS = sorted((Path(__file__).resolve().parents[1] / "presets").glob("*.toml"))
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = sorted((REPO / "presets").glob("*.toml"))
 
 
 def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
@@ -156,6 +157,13 @@ def test_cross_field_checks(tmp_path: Path) -> None:
     assert "set train.max_steps or train.epochs" in msg
     assert "block swapping is implemented for the flux family only" in msg
     assert "data.dir: missing required key for the sdxl family" in msg
+
+
+def test_fp8_with_4bit_quantization_names_both_keys() -> None:
+    with pytest.raises(ConfigError) as exc:
+        config.load(REPO / "presets" / "tiny-llm.toml", ["memory.fp8=true"])
+    msg = str(exc.value)
+    assert "memory.fp8 = true and memory.quantization = \"qint4\" both quantize the frozen base" in msg
 
 
 def test_newer_schema_version_is_refused(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def test_cli_estimate_terms_and_offers() -> None:
     assert "training (1000 updates × 2.500 s)" in r.output
     # 120 + 300 + 1000 × 3.0 = 3420 s = 0.95 h, × 0.44 = 0.418; the A100 at this speed: 2920 s = 0.811 h, × 1.02
     assert "offer RTX 4090: 0.95 h, 0.42 USD (0.44 USD/h, 3.000 s/update, measured there)" in r.output
-    assert "offer A100 80GB: 0.81 h, 0.83 USD (1.02 USD/h, 2.500 s/update, this run's speed)" in r.output
+    assert "offer A100 80GB: 0.81 h, 0.83 USD (1.02 USD/h, 2.500 s/update, assumes the speed from --its)" in r.output
     bad = CliRunner().invoke(main, ["estimate", "--steps", "10", "--its", "2", "--accum", "4"])
     assert bad.exit_code == 1 and "ambiguous" in bad.output
 
@@ -95,3 +95,57 @@ def test_estimate_reads_a_finished_run(small_run) -> None:
     r = CliRunner().invoke(main, ["estimate", str(cfg.run_dir), "--rate", "1.5"])
     assert r.exit_code == 0, r.output
     assert "training (8 updates ×" in r.output and "measured session of that run" in r.output
+
+
+@pytest.mark.parametrize("args, option, what", [
+    (["--rate", "-1"], "--rate", "must be at least 0"),
+    (["--rate", "nan"], "--rate", "not a finite number"),
+    (["--steps", "-5"], "--steps", "must be at least 1"),
+    (["--sec-per-update", "0"], "--sec-per-update", "must be greater than 0"),
+    (["--offer", "A100:-2"], "--offer", "finite number >= 0"),
+    (["--offer", "A100:1:nan"], "--offer", "finite number > 0"),
+    (["--storage", "100:-0.1"], "--storage", "not negative"),
+])
+def test_estimate_refuses_negative_or_nan_values_naming_the_option(args, option, what) -> None:
+    base = {"--steps": "100", "--sec-per-update": "2"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    r = CliRunner().invoke(main, ["estimate", *[x for kv in base.items() for x in kv]])
+    assert r.exit_code == 2, r.output
+    assert option in r.output and what in r.output
+    assert "USD" not in r.output  # no cost printed
+
+
+def _fake_run(tmp_path: Path, device: str, device_name: str, eval_seconds: float | None) -> Path:
+    run = tmp_path / "run"
+    rec = record.RunRecord("train", run, {"train": {"checkpoint_every": 0, "batch_size": 1, "grad_accum": 1}})
+    rec.data["environment"].update(device=device, device_name=device_name)
+    rec.set(setup_seconds=30.0, sec_per_update={"median": 2.0, "mean": 2.0}, total_updates=100, dataset_items=10,
+            checkpoint_seconds=[1.0], finish_seconds=1.0)
+    rec.data["phases"]["cache"] = 10.0
+    rec.write()
+    if eval_seconds is not None:
+        ev = record.RunRecord("eval", run, {})
+        ev.set(seconds=eval_seconds)
+        ev.write()
+    return run
+
+
+def test_estimate_counts_the_eval_pass_recorded_after_training(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path, "cuda", "NVIDIA H100 80GB HBM3", eval_seconds=123.0)
+    assert ec.from_run(run).evaluation == 123.0
+    r = CliRunner().invoke(main, ["estimate", str(run)])
+    assert r.exit_code == 0, r.output
+    assert "evaluation" in r.output and "0:02:03" in r.output
+
+
+def test_offer_without_its_own_speed_says_which_speed_or_refuses_a_cpu_one(tmp_path: Path) -> None:
+    gpu = _fake_run(tmp_path / "g", "cuda", "NVIDIA H100 80GB HBM3", None)
+    r = CliRunner().invoke(main, ["estimate", str(gpu), "--offer", "Other H100:2.5"])
+    assert r.exit_code == 0, r.output
+    assert "assumes the speed from run" in r.output and "measured on NVIDIA H100 80GB HBM3" in r.output
+    cpu = _fake_run(tmp_path / "c", "cpu", "x86_64", None)
+    r = CliRunner().invoke(main, ["estimate", str(cpu), "--offer", "RTX 4090:0.44"])
+    assert r.exit_code == 1 and "measured on the CPU" in r.output and '"RTX 4090:0.44:SEC_PER_UPDATE"' in r.output
+    r = CliRunner().invoke(main, ["estimate", str(cpu), "--offer", "RTX 4090:0.44:1.5"])
+    assert r.exit_code == 0 and "measured there" in r.output

@@ -548,6 +548,21 @@ def test_export_into_comfyui_with_workflows(sdxl_run, tmp_path) -> None:
     assert (sampler["steps"], sampler["cfg"], sampler["sampler_name"]) == (30, 7.0, "euler")
 
 
+def test_exported_files_follow_the_umask_so_another_user_can_read_them(sdxl_run, tmp_path) -> None:
+    import os
+    import stat
+
+    run, _ = sdxl_run
+    (tmp_path / "shared").mkdir()
+    old = os.umask(0o022)
+    try:
+        res = ex.export(run, out=tmp_path / "shared", name="for_comfy")
+    finally:
+        os.umask(old)
+    for path in (res.path, res.workflow_api, res.workflow_ui):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path  # mkstemp alone would give 0600
+
+
 def test_flux_workflow_uses_split_files_and_model_only_loader(flux_run, tmp_path) -> None:
     res = ex.export(flux_run[0], comfyui=fake_comfyui(tmp_path / "C"))
     api = json.loads(res.workflow_api.read_text())

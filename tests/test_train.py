@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from imglora import checkpoint, config, lora, record
 from imglora.families import get_family
 from imglora.models import resolve_model
-from imglora.train import NonFiniteLoss, lr_lambda, train
+from imglora.train import NonFiniteLoss, make_scheduler, train
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"
@@ -46,12 +46,28 @@ def set_args(overrides) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
 
 
-def test_lr_schedules() -> None:
-    f = lr_lambda("cosine", warmup=2, total=10)
-    assert [round(f(s), 4) for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
-    g = lr_lambda("linear", warmup=0, total=4)
-    assert [g(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
-    assert lr_lambda("constant", 3, 10)(0) == pytest.approx(1 / 3)
+def test_lr_schedules_are_diffusers_get_scheduler(small) -> None:
+    def lrs(*extra: str, total: int = 10, steps=(0, 1, 2, 6, 10)) -> list[float]:
+        cfg = load_cfg(small, "train.learning_rate=0.5", *extra)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.train.learning_rate)
+        sched = make_scheduler(cfg, opt, total)
+        out = []
+        for s in range(max(steps) + 1):
+            if s in steps:
+                out.append(round(sched.get_last_lr()[0] / 0.5, 4))
+            opt.step()
+            sched.step()
+        return out
+
+    # As kohya sd-scripts (diffusers' schedules): warmup from 0, then the decay.
+    assert lrs('train.scheduler="cosine"', "train.warmup_steps=2") == [0.0, 0.5, 1.0, 0.5, 0.0]
+    assert lrs('train.scheduler="linear"', "train.warmup_steps=0", total=4, steps=(0, 1, 2, 3, 4)) == \
+        [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lrs('train.scheduler="constant"', "train.warmup_steps=3", steps=(0, 1, 3, 9)) == [0.0, 0.3333, 1.0, 1.0]
+    assert lrs('train.scheduler="cosine_with_restarts"', "train.scheduler_cycles=2", "train.warmup_steps=0",
+               steps=(0, 2, 5, 7)) == [1.0, 0.6545, 1.0, 0.6545]
+    assert lrs('train.scheduler="polynomial"', "train.scheduler_power=2", "train.warmup_steps=0",
+               steps=(0, 5)) == [1.0, 0.25]
 
 
 def test_run_writes_adapter_log_png_and_record(small) -> None:
@@ -62,7 +78,8 @@ def test_run_writes_adapter_log_png_and_record(small) -> None:
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(set(r) >= {"loss", "lr", "sec_per_update", "peak_allocated", "rss"} for r in rows)
-    assert rows[0]["lr"] == pytest.approx(cfg.train.learning_rate * 1.0)  # warmup 2: step 1 -> 1.0 after 1 step
+    assert rows[0]["lr"] == pytest.approx(cfg.train.learning_rate * 0.5)  # warmup 2: 1/2 after the first update
+    assert rows[1]["lr"] == pytest.approx(cfg.train.learning_rate)
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [s for s, _ in checkpoint.list_checkpoints(run)] == [4, 6, 8]  # keep_checkpoints = 3
     rec = record.read_records(run, "train")[-1]
@@ -169,7 +186,7 @@ def test_resume_refuses_changed_training_settings(small) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_identical_and_sigterm_checkpoints(small, tmp_path: Path) -> None:
+def test_sigkill_then_resume_is_bit_identical(small, tmp_path: Path) -> None:
     base = [o for o in small if not o.startswith(("run.output_dir", "train.max_steps"))]
     common = [*base, "train.max_steps=14"]
 
@@ -198,20 +215,6 @@ def test_sigkill_then_resume_is_bit_identical_and_sigterm_checkpoints(small, tmp
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed adapter differs from the uninterrupted one"
 
-    # SIGTERM: finish the update, checkpoint, exit 0 and say how to resume.
-    term_dir = tmp_path / "term"
-    proc = cli(["train", str(PRESET), *set_args([*common, "train.max_steps=400", "train.checkpoint_every=0",
-                                                 f"run.output_dir={json.dumps(str(term_dir))}"])])
-    log = term_dir / "tiny-sdxl" / "log.jsonl"
-    deadline = time.time() + 300
-    while not (log.exists() and log.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    assert "--resume" in out
-    steps = [s for s, _ in checkpoint.list_checkpoints(term_dir / "tiny-sdxl")]
-    assert len(steps) == 1 and 2 <= steps[0] < 400
 
 
 def test_complete_cache_means_no_encoder_is_loaded(small, monkeypatch) -> None:
@@ -260,7 +263,7 @@ def test_a_new_run_never_overwrites_an_earlier_one(small) -> None:
     assert (cfg.run_dir / "adapter" / lora.ADAPTER_FILE).read_bytes() == before
 
 
-def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_path) -> None:
+def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_path, monkeypatch) -> None:
     cfg = load_cfg(small, "train.max_steps=6")  # checkpoints at 2, 4 and 6
     train(cfg, out=quiet)
     newest = checkpoint.list_checkpoints(cfg.run_dir)[-1][1]
@@ -271,6 +274,13 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_p
     assert any("resuming from" in x and "step-000004" in x for x in lines)
     assert result.steps_done == 6
     (tmp_path / "data" / "01_sky.txt").write_text("sks toy, another caption")
+    from imglora.families import sdxl
+
+    def never(*a, **k):
+        raise AssertionError("encoders or the model were loaded before the data check")
+
+    for name in ("load_vae", "load_text_encoders", "load_trainable"):
+        monkeypatch.setattr(sdxl.SdxlFamily, name, never)
     with pytest.raises(checkpoint.ResumeRefused, match="the dataset changed since"):
         train(cfg, resume=True, out=quiet)
 
@@ -287,4 +297,116 @@ def test_missing_bitsandbytes_or_cuda_fails_before_anything_loads(monkeypatch, t
     cfg = config.load(REPO / "presets" / "tiny-llm.toml", ['memory.quantization="nf4"',
                                                           f"run.output_dir={json.dumps(str(tmp_path))}"])
     with pytest.raises(ImgloraError, match='memory.quantization = "nf4" needs (bitsandbytes|a CUDA GPU)'):
+        train(cfg, out=quiet)
+
+
+def test_sigterm_checkpoints_exits_143_and_prints_the_exact_resume_command(small, tmp_path: Path) -> None:
+    term_dir = tmp_path / "term"
+    overrides = [*[o for o in small if not o.startswith(("run.output_dir", "train.max_steps", "train.checkpoint"))],
+                 "train.max_steps=400", "train.checkpoint_every=0", f"run.output_dir={json.dumps(str(term_dir))}"]
+    proc = cli(["train", str(PRESET), *set_args(overrides)])
+    log = term_dir / "tiny-sdxl" / "log.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and log.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, out  # 128 + SIGTERM: "interrupted, resumable" to a scheduler
+    steps = [s for s, _ in checkpoint.list_checkpoints(term_dir / "tiny-sdxl")]
+    assert len(steps) == 1 and 2 <= steps[0] < 400
+    rec = record.read_records(term_dir / "tiny-sdxl", "train")[-1]
+    assert rec["status"] == "interrupted" and rec["signal"] == "SIGTERM"
+    # The resume hint repeats every --set, so it finds this run folder again.
+    import shlex
+
+    expected = shlex.join(["imglora", "train", str(PRESET), *set_args(overrides)]) + " --resume"
+    assert f"Continue with: {expected}" in out
+    assert all(line.startswith("[") for line in out.splitlines() if "s/update" in line)  # timestamped in a pipe
+
+
+def test_a_second_trainer_into_the_same_run_refuses_at_once(small, tmp_path: Path) -> None:
+    from imglora.runlock import RunInUse
+
+    cfg = load_cfg(small)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom imglora import runlock\n"
+                               "with runlock.hold(sys.argv[1], 'imglora train first'):\n"
+                               "    print('held', flush=True); time.sleep(120)", str(cfg.run_dir)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunInUse, match=rf"in use by another imglora process \(pid {holder.pid}.*imglora train first"):
+            train(cfg, out=quiet)
+        assert not (cfg.run_dir / "log.jsonl").exists() and not (cfg.run_dir / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_temporaries_of_a_killed_run_are_cleaned_on_start(small) -> None:
+    cfg = load_cfg(small, "train.max_steps=2")
+    orphan = cfg.run_dir / "checkpoints" / ".step-000004.k3j2.tmp"
+    orphan.mkdir(parents=True)
+    (orphan / "optimizer.safetensors").write_bytes(b"\0" * 3_000_000)
+    lines: list[str] = []
+    train(cfg, out=lines.append)
+    assert not orphan.exists()
+    assert any(line.startswith("cleanup: removed") and ".step-000004.k3j2.tmp" in line and "2.9 MiB" in line
+               for line in lines)
+
+
+def test_unwritable_places_are_named_before_any_model_loads(small, tmp_path: Path, monkeypatch) -> None:
+    from imglora.atomic import WriteError
+    from imglora.families import sdxl
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the output folders were checked")
+
+    monkeypatch.setattr(sdxl.SdxlFamily, "load_vae", never)
+    monkeypatch.setattr(sdxl.SdxlFamily, "load_trainable", never)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(WriteError, match=r"run.output_dir: cannot write into .*a_file.*a file stands where a folder"):
+        train(load_cfg(small, f"run.output_dir={json.dumps(str(blocker))}"), out=quiet)
+    with pytest.raises(WriteError, match=r"cache.dir: cannot write into .*a_file"):
+        train(load_cfg(small, f"cache.dir={json.dumps(str(blocker / 'cache'))}"), out=quiet)
+
+
+def test_disk_full_while_checkpointing_names_the_path_and_keeps_the_last_checkpoint(small, monkeypatch) -> None:
+    from safetensors import SafetensorError
+
+    from imglora.atomic import WriteError
+
+    real = checkpoint.save_file
+    calls = {"n": 0}
+
+    def filling_disk(tensors, path, *a, **k):
+        if path.endswith("optimizer.safetensors"):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second checkpoint hits a full disk
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "save_file", filling_disk)
+    cfg = load_cfg(small)
+    with pytest.raises(WriteError, match=r"step-000004: the disk is full"):
+        train(cfg, out=quiet)
+    assert [s for s, _ in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
+    assert load_file(str(checkpoint.step_dir(cfg.run_dir, 2) / "adapter" / lora.ADAPTER_FILE))
+    assert not [p for p in (cfg.run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_too_many_swapped_blocks_refused_before_loading(small, monkeypatch) -> None:
+    from imglora.errors import ImgloraError
+    from imglora.families import flux
+
+    def never(*a, **k):
+        raise AssertionError("loaded before the swap setting was checked")
+
+    monkeypatch.setattr(flux.FluxFamily, "prepare_data", never)
+    monkeypatch.setattr(flux.FluxFamily, "load_trainable", never)
+    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=11"])
+    with pytest.raises(ImgloraError, match=r"memory.blocks_to_swap = 11: swapping 11 blocks means 5 double"):
+        train(cfg, out=quiet)
+    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=0", "memory.double_blocks_to_swap=5"])
+    with pytest.raises(ImgloraError, match=r"memory.double_blocks_to_swap = 5, but the model has only 4"):
         train(cfg, out=quiet)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -39,7 +41,11 @@ def main(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .progress import is_tty
+
+    # Logs written to a file or pipe get the time of each line, as imglora's own lines do.
+    fmt = "%(levelname)s %(name)s: %(message)s" if is_tty(sys.stderr) else "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt, datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -83,9 +89,13 @@ def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> 
     from .families import get_family
     from .models import resolve_model
 
+    from .atomic import check_writable
+
     cfg = _load(preset, overrides)
     family = get_family(cfg.model.family)
     device = _device()
+    if not verify:
+        check_writable(cfg.cache.dir, "cache.dir")
     rec = record.RunRecord("cache-latents", cfg.run_dir, cfg.to_dict())
     with rec.phase("resolve_model"):
         model_dir = resolve_model(cfg.model.path, cfg.model.family)
@@ -125,12 +135,18 @@ def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> 
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint of the run folder.")
 def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
     """Train a LoRA adapter: cache, train, checkpoint, write the adapter and run record."""
+    import shlex
+
+    from .progress import stamped
     from .train import train
 
     cfg = _load(preset, overrides)
-    result = train(cfg, resume=resume, preset=preset, out=lambda s: click.echo(s))
-    if result.interrupted and result.signal == "SIGINT":
-        sys.exit(130)
+    command = shlex.join(["imglora", "train", preset, *[x for o in overrides for x in ("--set", o)]])
+    result = train(cfg, resume=resume, command=command, out=stamped(click.echo))
+    # Interrupted runs exit as a shell reports a process killed by that signal (128 + number), so a
+    # scheduler sees "interrupted, resumable" rather than success; the checkpoint is written first.
+    if result.interrupted and result.signal in ("SIGINT", "SIGTERM"):
+        sys.exit(128 + int(getattr(signal, result.signal)))
     if result.signal == "budget":
         sys.exit(3)  # stopped by the budget guard: the work is saved, but the run is not finished
 
@@ -165,51 +181,87 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
 @click.option("--blocks", default="0,9,18,27", show_default=True,
               help="Swap settings (kohya count), e.g. 0,9,18 or fp8:18,bf16:0 to compare precisions too.")
 @click.option("--fp8/--no-fp8", "fp8", default=None, help="FP8 base for bare numbers in --blocks (default: the preset's).")
-@click.option("--steps", default=12, show_default=True, help="Measured optimizer updates per setting.")
-@click.option("--warmup", default=3, show_default=True, help="Updates before measuring.")
-@click.option("--resolution", type=int, help="Square training resolution (default: the preset's).")
+@click.option("--steps", default=12, show_default=True, type=click.IntRange(min=1),
+              help="Measured optimizer updates per setting.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="Updates before measuring.")
+@click.option("--resolution", type=click.IntRange(min=16), help="Square training resolution (default: the preset's).")
 @click.option("--vram-budget", help="Name the fastest setting whose peak reserved memory fits, e.g. 24GB.")
 @click.option("--arch", type=click.Choice(["preset", "full"]), default="preset", show_default=True,
               help="full: the real FLUX.1-dev / SDXL architecture with random weights (no download).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Folder for bench.json/csv/png.")
-@click.option("--timeout", default=3600, show_default=True, help="Seconds allowed per setting.")
+@click.option("--timeout", default=3600, show_default=True, type=click.IntRange(min=1),
+              help="Seconds allowed per setting.")
 def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vram_budget, arch, out_dir, timeout):
     """Measure seconds per update and peak memory for several swap settings; name the fastest that fits."""
     from . import bench, config
+    from .progress import stamped
 
     cfg = config.load(preset, overrides)
     settings = bench.parse_settings(blocks, cfg.memory.fp8 if fp8 is None else fp8)
     bench.bench_swap(preset, overrides, settings, steps=steps, warmup=warmup, resolution=resolution,
                      vram_budget=bench.parse_size(vram_budget), arch=arch, out_dir=Path(out_dir) if out_dir else None,
-                     timeout=timeout, out=click.echo)
+                     timeout=timeout, out=stamped(click.echo))
+
+
+class _Number(click.ParamType):
+    """A finite number within bounds; NaN, infinity and out-of-range values exit 2 naming the option."""
+
+    name = "number"
+
+    def __init__(self, minimum: float = 0.0, open_min: bool = False, integer: bool = False):
+        self.minimum, self.open_min, self.integer = minimum, open_min, integer
+        self.name = "integer" if integer else "number"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(value) if self.integer else float(value)
+            except ValueError:
+                self.fail(f"{value!r} is not {'an integer' if self.integer else 'a number'}", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if number < self.minimum or (self.open_min and number == self.minimum):
+            bound = "greater than" if self.open_min else "at least"
+            self.fail(f"{value} must be {bound} {self.minimum:g}", param, ctx)
+        return number
+
+
+POSITIVE = _Number(0.0, open_min=True)
+NON_NEGATIVE = _Number(0.0)
+COUNT = _Number(1, integer=True)
+NON_NEGATIVE_INT = _Number(0, integer=True)
 
 
 @main.command("estimate", short_help="Session time and cost from measured phases and offers.")
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
 @click.option("--bench", "bench_file", type=click.Path(dir_okay=False), help="Use a bench-swap result (bench.json).")
 @click.option("--setting", help="With --bench: the setting to use (default: the fastest that ran).")
-@click.option("--steps", type=int, help="Optimizer updates to plan for (default: the run's).")
-@click.option("--epochs", type=float, help="Plan for epochs instead: steps = epochs × dataset size ÷ (batch × accum).")
-@click.option("--dataset-size", type=int, help="Images (with repeats) per epoch, for --epochs.")
-@click.option("--batch-size", type=int, help="Micro-batch size (default: the run's).")
-@click.option("--accum", type=int, help="Gradient accumulation (default: the run's).")
-@click.option("--sec-per-update", type=float, help="Measured seconds per optimizer update.")
-@click.option("--sec-per-micro-batch", type=float, help="Measured seconds per micro-batch (× accumulation).")
-@click.option("--its", type=float, help="it/s read from a training log's progress bar.")
+@click.option("--steps", type=COUNT, help="Optimizer updates to plan for (default: the run's).")
+@click.option("--epochs", type=POSITIVE, help="Plan for epochs instead: steps = epochs × dataset size ÷ (batch × accum).")
+@click.option("--dataset-size", type=COUNT, help="Images (with repeats) per epoch, for --epochs.")
+@click.option("--batch-size", type=COUNT, help="Micro-batch size (default: the run's).")
+@click.option("--accum", type=COUNT, help="Gradient accumulation (default: the run's).")
+@click.option("--sec-per-update", type=POSITIVE, help="Measured seconds per optimizer update.")
+@click.option("--sec-per-micro-batch", type=POSITIVE, help="Measured seconds per micro-batch (× accumulation).")
+@click.option("--its", type=POSITIVE, help="it/s read from a training log's progress bar.")
 @click.option("--its-unit", type=click.Choice(["micro", "update"]), help="What that progress bar counted.")
-@click.option("--setup", type=float, help="Seconds of set-up (model load); default: measured.")
-@click.option("--cache", "cache_s", type=float, help="Seconds of caching; default: measured (0 with a full cache).")
-@click.option("--checkpoint-every", type=int, help="Updates between checkpoints (default: the run's).")
-@click.option("--sec-per-checkpoint", type=float, help="Seconds per checkpoint save; default: measured.")
-@click.option("--eval-seconds", type=float, help="Seconds of evaluation; default: measured.")
-@click.option("--idle-minutes", type=float, default=0.0, show_default=True,
+@click.option("--setup", type=NON_NEGATIVE, help="Seconds of set-up (model load); default: measured.")
+@click.option("--cache", "cache_s", type=NON_NEGATIVE, help="Seconds of caching; default: measured (0 with a full cache).")
+@click.option("--checkpoint-every", type=NON_NEGATIVE_INT, help="Updates between checkpoints (default: the run's).")
+@click.option("--sec-per-checkpoint", type=NON_NEGATIVE, help="Seconds per checkpoint save; default: measured.")
+@click.option("--eval-seconds", type=NON_NEGATIVE, help="Seconds of evaluation; default: measured.")
+@click.option("--idle-minutes", type=NON_NEGATIVE, default=0.0, show_default=True,
               help="Minutes the meter runs besides the work (boot, upload, download).")
-@click.option("--rate", type=float, help="Hourly price of the machine.")
+@click.option("--rate", type=NON_NEGATIVE, help="Hourly price of the machine.")
 @click.option("--currency", default="USD", show_default=True)
 @click.option("--storage", help="GB:PRICE_PER_GB_MONTH of disk billed while the session runs.")
 @click.option("--transfer", help="GB:PRICE_PER_GB of data transfer.")
 @click.option("--offer", "offers", multiple=True, metavar="NAME:RATE[:SEC_PER_UPDATE]",
-              help="Compare machines: hourly rate and, when measured there, seconds per update (repeatable).")
+              help="Compare machines: hourly rate and, when measured there, seconds per update (repeatable). "
+                   "Without SEC_PER_UPDATE the offer assumes the speed this estimate uses, measured on the device "
+                   "it names; that is refused when it was measured on a CPU.")
 def estimate_cmd(run_dir, bench_file, setting, steps, epochs, dataset_size, batch_size, accum, sec_per_update,
                  sec_per_micro_batch, its, its_unit, setup, cache_s, checkpoint_every, sec_per_checkpoint,
                  eval_seconds, idle_minutes, rate, currency, storage, transfer, offers) -> None:
@@ -252,11 +304,22 @@ def estimate_cmd(run_dir, bench_file, setting, steps, epochs, dataset_size, batc
     if m.actual_seconds and steps == m.steps and idle_minutes == 0:
         err = 100 * (est.seconds - m.actual_seconds) / m.actual_seconds
         click.echo(f"  measured session of that run: {m.actual_seconds:.1f} s (estimate {err:+.1f} %)")
+    speed_source = ("--sec-per-update" if sec_per_update else "--its" if its else "--sec-per-micro-batch"
+                    if sec_per_micro_batch else m.source)
     for offer in offers:
         name, offer_rate, offer_spu = _offer(offer)
+        if offer_spu is None and not (sec_per_update or its or sec_per_micro_batch) and m.device == "cpu":
+            raise ImgloraError(f"--offer {offer!r} gives no seconds per update, and the only measured speed ({m.source}) "
+                               f"was measured on the CPU ({m.device_name}), which says nothing about a GPU offer; "
+                               f"write it as \"{name}:{offer_rate:g}:SEC_PER_UPDATE\" with a speed measured on that "
+                               "GPU (imglora bench-swap there), or pass --sec-per-update")
         o = ec.estimate(ec.SessionInputs(**{**vars(inputs), "seconds_per_update": offer_spu or spu}), offer_rate,
                         currency, extras)
-        basis = "measured there" if offer_spu else "this run's speed"
+        if offer_spu:
+            basis = "measured there"
+        else:
+            where = f", measured on {m.device_name}" if m.device_name and speed_source == m.source else ""
+            basis = f"assumes the speed from {speed_source}{where}"
         click.echo(f"  offer {name}: {o.hours:.2f} h, {o.cost:.2f} {currency} ({offer_rate:g} {currency}/h, "
                    f"{offer_spu or spu:.3f} s/update, {basis})")
 
@@ -269,7 +332,9 @@ def _pair(text: str | None, flag: str) -> tuple[float, float]:
     try:
         a, b = (float(x) for x in text.split(":"))
     except ValueError:
-        raise ImgloraError(f"{flag} {text!r}: expected two numbers as A:B, e.g. 100:0.10") from None
+        raise click.BadParameter(f"{text!r}: expected two numbers as A:B, e.g. 100:0.10", param_hint=flag) from None
+    if not all(math.isfinite(x) and x >= 0 for x in (a, b)):
+        raise click.BadParameter(f"{text!r}: both numbers must be finite and not negative", param_hint=flag)
     return a, b
 
 
@@ -279,12 +344,17 @@ def _offer(text: str) -> tuple[str, float, float | None]:
     parts = text.rsplit(":", 2)
     try:
         if len(parts) == 3 and _is_number(parts[1]):
-            return parts[0], float(parts[1]), float(parts[2])
-        name, rate_text = text.rsplit(":", 1)
-        return name, float(rate_text), None
+            name, rate, spu = parts[0], float(parts[1]), float(parts[2])
+        else:
+            name, rate_text = text.rsplit(":", 1)
+            rate, spu = float(rate_text), None
     except ValueError:
-        raise ImgloraError(f"--offer {text!r}: expected NAME:RATE or NAME:RATE:SEC_PER_UPDATE, "
-                           "e.g. \"RTX 4090:0.44:2.1\"") from None
+        raise click.BadParameter(f"{text!r}: expected NAME:RATE or NAME:RATE:SEC_PER_UPDATE, e.g. "
+                                 "\"RTX 4090:0.44:2.1\"", param_hint="--offer") from None
+    if not math.isfinite(rate) or rate < 0 or (spu is not None and (not math.isfinite(spu) or spu <= 0)):
+        raise click.BadParameter(f"{text!r}: the rate must be a finite number >= 0 and the seconds per update "
+                                 "a finite number > 0", param_hint="--offer")
+    return name, rate, spu
 
 
 def _is_number(text: str) -> bool:

@@ -49,6 +49,7 @@ def eval_cmd(run_dir: str, which: str | int, all_checkpoints: bool, prompts_file
     """Evaluate a trained run in a fresh process: images per prompt and adapter strength with a
     contact sheet, held-out and training-image loss, and an eval record with its peak memory."""
     from .evaluate import evaluate
+    from .progress import stamped
 
     evaluate(run_dir, checkpoint=which, all_checkpoints=all_checkpoints, prompts_file=prompts_file,
-             strengths=strengths, seed=seed, overrides=overrides, out=click.echo)
+             strengths=strengths, seed=seed, overrides=overrides, out=stamped(click.echo))

@@ -126,7 +126,12 @@ class TrainConfig:
     adam_beta1: float = _f(0.9, help="AdamW beta1.", min=0.0, max=0.99999)
     adam_beta2: float = _f(0.999, help="AdamW beta2.", min=0.0, max=0.99999)
     adam_eps: float = _f(1e-8, help="AdamW epsilon.", min=0.0, max=1.0, min_exclusive=True)
-    scheduler: Literal["constant", "linear", "cosine"] = _f("constant", help="Learning-rate schedule after warmup.")
+    scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = _f(
+        "constant", help="Learning-rate schedule after the linear warmup (diffusers' get_scheduler, as kohya "
+                         "sd-scripts): constant, linear or cosine decay to 0, cosine_with_restarts, polynomial.")
+    scheduler_cycles: int = _f(1, help="cosine_with_restarts: number of hard restarts.", min=1, max=10_000)
+    scheduler_power: float = _f(1.0, help="polynomial: decay power (1 = linear), down to 1e-7.", min=0.0, max=100.0,
+                                min_exclusive=True)
     warmup_steps: int = _f(0, help="Linear warmup, in optimizer updates.", min=0, max=10_000_000)
     batch_size: int = _f(1, help="Images per micro-batch.", min=1, max=1024)
     grad_accum: int = _f(1, help="Micro-batches per optimizer update.", min=1, max=1024)
@@ -498,6 +503,10 @@ def _cross_checks(cfg: Config, where, problems: list[str]) -> None:
         problems.append(f"{where('train.max_steps')}: set train.max_steps or train.epochs to a positive number")
     if cfg.model.family == "llm" and not d.file:
         problems.append(f"{where('data.file')}: missing required key for the llm family (a JSONL of conversations)")
+    if m.fp8 and m.quantization != "none":
+        problems.append(f"{where('memory.fp8')}: memory.fp8 = true and memory.quantization = "
+                        f"\"{m.quantization}\" both quantize the frozen base; choose one (set memory.fp8 = false "
+                        "for 4-bit QLoRA, or memory.quantization = \"none\" for fp8)")
     if cfg.memory.quantization != "none" and cfg.model.family != "llm":
         problems.append(f"{where('memory.quantization')}: 4-bit quantization is for the llm family; "
                         "image families use memory.fp8")

@@ -127,6 +127,8 @@ class Measured:
     grad_accum: int = 1
     actual_seconds: float | None = None
     source: str = ""
+    device: str | None = None       # where seconds_per_update was measured: "cpu" or "cuda"
+    device_name: str | None = None  # e.g. "NVIDIA H100 80GB HBM3"
 
 
 def from_run(run_dir: Path) -> Measured:
@@ -151,10 +153,12 @@ def from_run(run_dir: Path) -> Measured:
         cache=cache,
         seconds_per_update=r["sec_per_update"].get("mean") or r["sec_per_update"]["median"],
         seconds_per_checkpoint=sum(saves) / len(saves) if saves else 0.0,
-        evaluation=(evals[-1].get("duration_seconds") or 0.0) if evals else 0.0,
+        # The eval record's own duration (key "seconds"; "duration_seconds" in records of imglora 0.1).
+        evaluation=(evals[-1].get("seconds") or evals[-1].get("duration_seconds") or 0.0) if evals else 0.0,
         steps=r.get("total_updates"), checkpoint_every=cfg.get("checkpoint_every", 0),
         dataset_size=r.get("dataset_items"), batch_size=cfg["batch_size"], grad_accum=cfg["grad_accum"],
         source=f"run {run_dir}",
+        device=r.get("environment", {}).get("device"), device_name=r.get("environment", {}).get("device_name"),
     )
     started, finished = r.get("started"), r.get("finished")
     if started and finished:
@@ -175,9 +179,11 @@ def from_bench(path: Path, setting: str | None = None) -> Measured:
     if not ok:
         raise ImgloraError(f"--bench {path}: no successful setting{f' named {setting!r}' if setting else ''}")
     best = min(ok, key=lambda r: r["sec_per_update"]["median"])
+    env = best.get("environment") or data.get("environment") or {}
     return Measured(setup=best.get("setup_seconds", 0.0), seconds_per_update=best["sec_per_update"]["median"],
                     grad_accum=data.get("grad_accum", 1), batch_size=data.get("batch_size", 1),
-                    source=f"bench {path} (setting {best['setting']})")
+                    source=f"bench {path} (setting {best['setting']})", device=env.get("device"),
+                    device_name=env.get("device_name"))
 
 
 def format_estimate(est: Estimate, steps: int, seconds_per_update: float) -> str:

@@ -43,6 +43,7 @@ from . import atomic, config, lora, record, telemetry
 from .checkpoint import list_checkpoints
 from .errors import ConfigError, ImgloraError
 from .families import get_family
+from .progress import Progress
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -329,7 +330,9 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
                     "train": _fixed_noise_loss(trainable, train, family, device, memory, cfg.train.seed)}
 
     base_images: list[Any] | None = None
+    bar = Progress(len(targets) * len(prompts) * len(strengths), "eval samples")
     try:
+        out(f"  scoring the base model's loss on {len(held)} held-out and {len(train)} training image(s)")
         set_strength(model, 0.0)
         result.base_loss = losses()
         for step, adapter_dir in targets:
@@ -342,10 +345,12 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
                     if s == 0 and base_images is not None:  # the base model: the same for every checkpoint
                         for i in range(len(prompts)):
                             grid[i][j] = base_images[i]
+                        bar.update(len(prompts))
                         continue
                     set_strength(model, s)
                     for i, e in enumerate(encoded):
                         grid[i][j] = sampler(e, seed)
+                        bar.update()
                     if s == 0:
                         base_images = [grid[i][j] for i in range(len(prompts))]
             folder = run_dir / "eval" / f"step-{step:06d}"
@@ -358,6 +363,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             out(f"  step {step}: held-out loss {_fmt(lo['heldout'])}, training-image loss {_fmt(lo['train'])}; "
                 f"{len(prompts) * len(strengths)} samples, sheet {result.sheets[step]}")
     finally:
+        bar.close()
         hook.remove()
 
     table = _merge_losses(run_dir / "eval" / "losses.json", cfg, data.version, len(held), len(train),

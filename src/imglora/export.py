@@ -92,6 +92,7 @@ def export(run_dir: Path, *, checkpoint: str = "latest", comfyui: Path | None = 
     and ``fmt`` default to the run's ``[export]`` settings, then to run.name, "bf16", "default".
     """
     run_dir = Path(run_dir)
+    _refuse_other_families(run_dir)
     source = find_source(run_dir, checkpoint)
     cfg = source.config
     settings = cfg.get("export", {})
@@ -171,6 +172,19 @@ def find_source(run_dir: Path, which: str = "latest") -> Source:
             state = json.loads((path / "state.json").read_text())
             return Source(path / "adapter" / ADAPTER_FILE, step, f"checkpoint step {step}", state["config"], record)
     raise ImgloraError(f"{run_dir} has no checkpoint for step {step}; available steps: {available}")
+
+
+def _refuse_other_families(run_dir: Path) -> None:
+    """An LLM run holds a PEFT adapter, not an image LoRA: say what to use instead of "no adapter"."""
+    records = read_records(run_dir, "train") if run_dir.is_dir() else []
+    ckpts = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    cfg = records[-1]["config"] if records else (
+        json.loads((ckpts[-1][1] / "state.json").read_text())["config"] if ckpts else None)
+    family = (cfg or {}).get("model", {}).get("family")
+    if family and family not in FAMILY_META:
+        raise ImgloraError(f"{run_dir} trained a {family} model; export writes image-model LoRAs for ComfyUI. For an "
+                           f"LLM adapter use the PEFT folder {run_dir / 'adapter'} as it is (PeftModel.from_pretrained, "
+                           f"vllm serve --enable-lora), or `imglora merge {run_dir} --out DIR` for a merged model")
 
 
 _BAD_NAME = re.compile(r'[<>:"/\\|?*\x00-\x1f]')
@@ -595,6 +609,7 @@ def write_new(dest: Path, data: bytes, force: bool) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~atomic.umask())  # mkstemp makes it private; ComfyUI may run as another user
         if force:
             os.replace(tmp, dest)
             return
@@ -607,7 +622,7 @@ def write_new(dest: Path, data: bytes, force: bool) -> None:
                 raise _exists_error(dest) from None
             os.replace(tmp, dest)
     except OSError as exc:
-        raise ImgloraError(f"cannot write {dest}: {exc.strerror or exc}") from None
+        raise ImgloraError(atomic.explain(dest, exc)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import signal
 import sys
 import time
@@ -21,12 +22,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import atomic, checkpoint, economics, lora, record, telemetry
+from . import atomic, checkpoint, economics, lora, record, runlock, telemetry
 from .config import Config
 from .data.batches import Batcher
 from .errors import ImgloraError
 from .families import get_family
-from .memory.wrap import apply_memory
+from .memory.wrap import apply_memory, check_swap_counts
 from .models import resolve_model
 
 WARMUP_UPDATES = 3  # excluded from steady-state timing (allocator warm-up, first-call compilation)
@@ -90,15 +91,15 @@ def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim
                                weight_decay=t.weight_decay)
 
 
-def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return f
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total: int) -> Any:
+    """diffusers' learning-rate schedules (as kohya sd-scripts uses them), by ``train.scheduler``;
+    "constant" with warmup steps is diffusers' "constant_with_warmup"."""
+    from diffusers.optimization import get_scheduler
+
+    t = cfg.train
+    name = "constant_with_warmup" if t.scheduler == "constant" and t.warmup_steps else t.scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total,
+                         num_cycles=t.scheduler_cycles, power=t.scheduler_power)
 
 
 def total_updates(cfg: Config, micro_per_epoch: int) -> int:
@@ -131,7 +132,24 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[[str], None] = print) -> TrainResult:
+def train(cfg: Config, *, resume: bool = False, command: str = "", out: Callable[[str], None] = print) -> TrainResult:
+    """Train ``cfg``'s adapter into its run folder (see the module docstring).
+
+    ``command``: how this run was started, without ``--resume`` (``imglora train PRESET --set ...``);
+    messages that say how to continue the run quote it. Default: ``imglora train <cfg.source>``.
+    """
+    command = command or f"imglora train {shlex.quote(cfg.source or '<preset>')}"
+    # Checked before the run folder is touched: where the run and the cache will be written.
+    atomic.check_writable(cfg.run.output_dir, "run.output_dir")
+    atomic.check_writable(cfg.cache.dir, "cache.dir")
+    with runlock.hold(cfg.run_dir, command + (" --resume" if resume else "")):
+        for folder in (cfg.run_dir, cfg.run_dir / "checkpoints"):
+            for line in atomic.recover(folder):  # only this process writes here now (the lock)
+                out(f"cleanup: {line}")
+        return _train(cfg, resume=resume, command=command, out=out)
+
+
+def _train(cfg: Config, *, resume: bool, command: str, out: Callable[[str], None]) -> TrainResult:
     from accelerate import Accelerator
 
     run_dir = cfg.run_dir
@@ -140,8 +158,12 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
     # Everything that can refuse the run is checked before any model is loaded (GPU time costs).
     resume_from = _resume_point(run_dir, config_dict) if resume else None
     if not resume:
-        _refuse_existing_run(run_dir, preset)
+        _refuse_existing_run(run_dir, command)
     _check_dependencies(cfg)
+    with_model = resolve_model(cfg.model.path, cfg.model.family)
+    check_swap_counts(family, with_model, cfg.memory)
+    if resume_from is not None:
+        _check_same_data(resume_from, family.data_version(cfg))
     mp = cfg.train.mixed_precision
     accelerator = Accelerator(mixed_precision=("no" if mp == "auto" and not torch.cuda.is_available()
                                                else "bf16" if mp == "auto" else mp))
@@ -155,7 +177,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
 
     # -- setup: data first (encoders are loaded only for missing entries, then freed) ----------
     with rec.phase("resolve_model"):
-        model_dir = resolve_model(cfg.model.path, cfg.model.family)
+        model_dir = with_model
     with rec.phase("cache"):
         data = family.prepare_data(cfg, model_dir, device)
     for w in data.warnings:
@@ -171,8 +193,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         optimizer = make_optimizer(cfg, params)
         batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
         total = total_updates(cfg, batcher.per_epoch)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(cfg.train.scheduler, cfg.train.warmup_steps, total))
+        scheduler = make_scheduler(cfg, optimizer, total)
         # The swap engine places the model's tensors itself; accelerate must not move them again.
         model, optimizer = accelerator.prepare(model, optimizer, device_placement=[memory.swapper is None, True])
     n_params = sum(p.numel() for p in params)
@@ -317,6 +338,7 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
         actual = time.perf_counter() - t_setup
         rec.set(projection={**projection.to_dict(), "actual_seconds": round(actual, 3),
                             "error_pct": round(100 * (projection.seconds - actual) / actual, 2)})
+    rec.set(signal=stop_signal)
     rec_path = rec.write(status="interrupted" if interrupted else "ok")
     if stop_signal == "budget":
         assert projection is not None
@@ -324,10 +346,9 @@ def train(cfg: Config, *, resume: bool = False, preset: str = "", out: Callable[
             f"{projection.text(budget.currency)}; {projection.over}. Checkpoint {ckpt_path}.\n"
             f"To fit: set train.max_steps to {projection.fits_steps} or less, pick a faster swap setting "
             f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`); then "
-            f"`imglora train {preset or '<preset>'} --resume` continues from here.")
+            f"`{command} --resume` continues from here.")
     elif interrupted:
-        how = f"imglora train {preset or '<preset>'} --resume"
-        out(f"stopped at update {step}/{total}; checkpoint {ckpt_path}. Continue with: {how}")
+        out(f"stopped at update {step}/{total}; checkpoint {ckpt_path}. Continue with: {command} --resume")
     else:
         ss = telemetry.steady_state(step_times, WARMUP_UPDATES)
         per = f"{ss['median']:.3f} s/update (median after {WARMUP_UPDATES} warm-up updates)" if ss["median"] else ""
@@ -372,14 +393,14 @@ def validation_loss(trainable: Any, samples: list[Any], collate: Callable, devic
     return total / len(samples)
 
 
-def _refuse_existing_run(run_dir: Path, preset: str) -> None:
+def _refuse_existing_run(run_dir: Path, command: str) -> None:
     """A new run never writes over an earlier one's checkpoints, log or adapter."""
     ckpts = checkpoint.list_checkpoints(run_dir)
     if ckpts or (run_dir / "adapter").exists():
         newest = f" (newest checkpoint: update {ckpts[-1][0]})" if ckpts else ""
         raise ImgloraError(
-            f"{run_dir} already holds a run{newest}. Continue it with `imglora train {preset or '<preset>'} "
-            "--resume`, or start a new one under another name: --set run.name=<new name>")
+            f"{run_dir} already holds a run{newest}. Continue it with `{command} --resume`, or start a new one "
+            "under another name: --set run.name=<new name>")
 
 
 def _check_dependencies(cfg: Config) -> None:
@@ -425,11 +446,7 @@ def _restore(state: dict[str, Any], family: Any, model: Any, optimizer: Any, sch
     for problem in state["skipped"]:
         out(f"warning: skipped a damaged checkpoint: {problem}")
     path = state["path"]
-    if state.get("dataset_version") not in (None, data_version):
-        raise checkpoint.ResumeRefused(
-            f"--resume refused: the dataset changed since {path} (dataset version {state['dataset_version'][:12]} "
-            f"then, {data_version[:12]} now): images, captions or repeats differ, so the run would not continue "
-            "the same training. Restore the data, or start a new run (another run.name).")
+    _check_same_data(state, data_version)
     if state.get("total_updates") not in (None, total):
         raise checkpoint.ResumeRefused(f"--resume refused: {path} belongs to a run of {state['total_updates']} "
                                        f"updates, this one would have {total}")
@@ -438,6 +455,14 @@ def _restore(state: dict[str, Any], family: Any, model: Any, optimizer: Any, sch
     scheduler.load_state_dict(state["scheduler"])
     out(f"resuming from {path} (update {state['step']})")
     return state["step"]
+
+
+def _check_same_data(state: dict[str, Any], data_version: str) -> None:
+    if state.get("dataset_version") not in (None, data_version):
+        raise checkpoint.ResumeRefused(
+            f"--resume refused: the dataset changed since {state['path']} (dataset version "
+            f"{state['dataset_version'][:12]} then, {data_version[:12]} now): images, captions or repeats differ, so "
+            "the run would not continue the same training. Restore the data, or start a new run (another run.name).")
 
 
 def _unwrap(model: Any) -> Any:

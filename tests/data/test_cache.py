@@ -213,3 +213,29 @@ def test_non_finite_encodings_are_never_cached(setup, monkeypatch) -> None:
         fill(load)
     cfg = load()[0]
     assert not list((Path(cfg.cache.dir) / "latents").rglob("*.safetensors"))
+
+
+def test_an_entry_replaced_by_another_valid_entry_is_caught_reported_and_reencoded(setup) -> None:
+    _, _, load = setup
+    plan, _ = fill(load)
+    cfg, family, model_dir = load()
+    c = cache.Cache(cfg.cache.dir)
+    a, b = plan.latents[0], plan.latents[1]
+    c.path("latents", a.key).write_bytes(c.path("latents", b.key).read_bytes())  # valid file, wrong place
+    with pytest.raises(cache.CorruptEntry, match="holds another entry"):
+        c.get("latents", a.key)
+    report = cache.verify(cfg, family, model_dir, "cpu")
+    assert len(report.corrupt) == 1 and str(a.item.path) in report.corrupt[0] and "another entry" in report.corrupt[0]
+    data = cache.prepare_images(cfg, family, model_dir, "cpu")
+    assert "cache 1 encoded / 5 reused" in data.summary  # the re-encoded entry is counted as encoded
+    assert c.get("latents", a.key)["latents"].shape == c.get("latents", b.key)["latents"].shape
+
+
+def test_captions_longer_than_the_encoder_reads_are_named_on_every_run(setup) -> None:
+    data, _, load = setup
+    (data / "02_grass.txt").write_text("sks toy, " + " ".join(["a striped ball on green grass"] * 20))
+    cfg, family, model_dir = load()
+    for _ in range(2):  # the second run encodes nothing and still knows (the entry's header)
+        warnings = cache.prepare_images(cfg, family, model_dir, "cpu").warnings
+        long = [w for w in warnings if "longer than the text encoder reads" in w]
+        assert len(long) == 1 and "02_grass.jpg" in long[0] and "of 77 tokens" in long[0], warnings

@@ -252,9 +252,12 @@ def test_dataset_version(tree, tmp_path):
 
 
 def test_sample_dataset(sample_dataset):
-    result = scan_dataset(sample_dataset, resolution=1024, step=64, trigger_word="sks toy")
+    result = scan_dataset(sample_dataset, resolution=512, step=64, trigger_word="sks toy")
     assert len(result.items) == 8
     assert result.warnings == ()
+    # At SDXL's 1024 px these 256-512 px images would be enlarged 2-3x: said once, naming them.
+    (big,) = scan_dataset(sample_dataset, resolution=1024, step=64).warnings
+    assert "enlarged more than 2x" in big and "02_grass.jpg" in big
     assert all(item.caption.startswith("sks toy, ") for item in result.items)
     assert all(256 <= side <= 512 for item in result.items for side in item.size)
     shapes = {(w > h) - (w < h) for w, h in (item.size for item in result.items)}
@@ -279,3 +282,22 @@ def test_sample_generator_reproduces_the_shipped_dataset(repo_root, sample_datas
             made, ours = (np.asarray(Image.open(d / name), dtype=np.float32)
                           for d in (tmp_path, sample_dataset))
             assert made.shape == ours.shape and np.abs(made - ours).mean() < 2
+
+
+def test_far_upscaled_mostly_cropped_and_shared_caption_images_get_one_warning_each(tmp_path):
+    root = tmp_path / "data"
+    _image(root / "ok.png", (128, 128))
+    _image(root / "tiny1.png", (32, 32))     # 128 / 32 = 4x enlarged
+    _image(root / "tiny2.png", (40, 40))
+    _image(root / "strip.png", (2000, 100))  # fits no bucket: most of it is cropped away
+    _image(root / "twice.png", (128, 128), caption="one caption")
+    Image.new("RGB", (128, 128), "blue").save(root / "twice.jpg")  # same stem: reads twice.txt too
+    result = scan_dataset(root, **SMALL)
+    up = [w for w in result.warnings if "enlarged more than 2x" in w]
+    crop = [w for w in result.warnings if "of their area to cropping" in w]
+    shared = [w for w in result.warnings if "share one caption file" in w]
+    assert len(up) == 1 and up[0].startswith("2 image(s)") and "tiny1.png (32x32 -> 128x128, 4.0x)" in up[0]
+    assert len(crop) == 1 and crop[0].startswith("1 image(s)") and "strip.png (2000x100" in crop[0]
+    assert len(shared) == 1 and "twice.jpg + twice.png share twice.txt" in shared[0]
+    assert len(result.items) == 6  # warned about, still trained
+    assert not any("ok.png" in w for w in result.warnings)

@@ -380,3 +380,14 @@ def test_full_architecture_and_synthetic_batch_for_benchmarks(monkeypatch) -> No
     assert batch["input_ids"].shape == (cfg.train.batch_size, 32) and batch["targets"].numel() == 4 * 31
     loss = trainable.loss(batch)
     assert torch.isfinite(loss)
+
+
+def test_export_of_an_llm_run_says_what_to_use_instead(run) -> None:
+    from imglora.errors import ImgloraError
+    from imglora.export import export
+
+    cfg, _, _ = run
+    with pytest.raises(ImgloraError) as exc:
+        export(cfg.run_dir)
+    msg = str(exc.value)
+    assert "export writes image-model LoRAs" in msg and "PEFT folder" in msg and f"imglora merge {cfg.run_dir}" in msg

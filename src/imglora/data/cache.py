@@ -5,7 +5,8 @@ Each entry is one safetensors file named by the sha256 of everything that determ
   fixes the offset), the flip, the VAE's identity (checksum of its weights and config) and dtype;
 - text: the exact caption, the text encoders' and tokenizers' identity, the token length, dtype.
 Change any of these and the key changes, so a stale entry can never be found, let alone used.
-Entries carry a checksum of their tensors in the header; a corrupt entry is detected on read
+Entries carry their own key and a checksum of their tensors in the header; an entry that is
+corrupt, or that is another valid entry copied or renamed into its place, is detected on read
 and re-encoded. Writes go to a temporary name and are renamed into place.
 
 ``fill_cache`` encodes only what is missing and loads an encoder only when something is missing,
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import atomic, record
 from ..errors import ImgloraError
+from ..progress import Progress
 from .buckets import fit_to_bucket
 from .dataset import DatasetItem, ScanResult, scan_dataset
 from .images import file_sha256, open_image
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the meaning of an entry changes; old entries are then never matched
+CACHE_FORMAT = 2  # bump when the meaning of an entry changes; old entries are then never matched
 
 
 class CorruptEntry(ImgloraError):
@@ -109,8 +111,12 @@ class Cache:
     def has(self, kind: str, key: str) -> bool:
         return self.path(kind, key).is_file()
 
-    def put(self, kind: str, key: str, tensors: dict[str, "torch.Tensor"]) -> None:
-        atomic.save_safetensors(self.path(kind, key), tensors, metadata={"checksum": _checksum(tensors)})
+    def put(self, kind: str, key: str, tensors: dict[str, "torch.Tensor"], info: dict[str, Any] | None = None) -> None:
+        # The key inside the entry: a valid entry of another key in this file's place is caught on read.
+        meta = {"checksum": _checksum(tensors), "key": key, "kind": kind}
+        if info:
+            meta["info"] = json.dumps(info, sort_keys=True)
+        atomic.save_safetensors(self.path(kind, key), tensors, metadata=meta)
 
     def drop(self, kind: str, key: str) -> None:
         self.path(kind, key).unlink(missing_ok=True)
@@ -121,13 +127,26 @@ class Cache:
         path = self.path(kind, key)
         try:
             with safe_open(str(path), framework="pt") as fh:
-                expected = (fh.metadata() or {}).get("checksum")
+                meta = fh.metadata() or {}
                 tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         except (SafetensorError, OSError, ValueError) as exc:
             raise CorruptEntry(f"cache entry {path} cannot be read ({exc}); it will be re-encoded") from None
-        if expected != _checksum(tensors):
+        if meta.get("key") != key:
+            raise CorruptEntry(f"cache entry {path} holds another entry (key {str(meta.get('key'))[:12]}..., copied or "
+                               "renamed into this place); it will be re-encoded")
+        if meta.get("checksum") != _checksum(tensors):
             raise CorruptEntry(f"cache entry {path} does not match its checksum; it will be re-encoded")
         return tensors
+
+    def info(self, kind: str, key: str) -> dict[str, Any]:
+        """What the encoder noted beside an entry's tensors (e.g. token counts), from its header only."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(self.path(kind, key)), framework="pt") as fh:
+                return json.loads((fh.metadata() or {}).get("info", "{}"))
+        except (SafetensorError, OSError, ValueError):
+            return {}
 
 
 def _checksum(tensors: dict[str, "torch.Tensor"]) -> str:
@@ -268,12 +287,12 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
         dtype = torch_dtype(the_plan.encoder_dtype)
         vae = family.load_vae(model_dir, torch.device(device), dtype)
         stats.loaded_vae = True
-        for i, spec in enumerate(todo_lat, 1):
-            cache.put("latents", spec.key, _finite(encode_latent(family, vae, spec, cfg.data.crop), str(spec.item.path),
-                                                  the_plan.encoder_dtype))
-            stats.latents_encoded += 1
-            if progress:
-                _progress("latents", i, len(todo_lat))
+        with Progress(len(todo_lat), "encoding latents", enabled=progress) as bar:
+            for spec in todo_lat:
+                cache.put("latents", spec.key, _finite(encode_latent(family, vae, spec, cfg.data.crop),
+                                                       str(spec.item.path), the_plan.encoder_dtype))
+                stats.latents_encoded += 1
+                bar.update()
         del vae
         _free(device)
     if todo_txt:
@@ -281,12 +300,14 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
 
         encoders = family.load_text_encoders(model_dir, torch.device(device), torch_dtype(the_plan.encoder_dtype))
         stats.loaded_text_encoders = True
-        for i, spec in enumerate(todo_txt, 1):
-            cache.put("text", spec.key, _finite(family.encode_text(encoders, spec.caption, the_plan.text_max_length),
-                                                f"caption {spec.caption!r}", the_plan.encoder_dtype))
-            stats.texts_encoded += 1
-            if progress:
-                _progress("text", i, len(todo_txt))
+        with Progress(len(todo_txt), "encoding captions", enabled=progress) as bar:
+            for spec in todo_txt:
+                tensors = family.encode_text(encoders, spec.caption, the_plan.text_max_length)
+                tokens = family.count_tokens(encoders, spec.caption, the_plan.text_max_length)
+                cache.put("text", spec.key, _finite(tensors, f"caption {spec.caption!r}", the_plan.encoder_dtype),
+                          info={"tokens": tokens})
+                stats.texts_encoded += 1
+                bar.update()
         del encoders
         _free(device)
     write_manifest(cfg, the_plan)
@@ -319,10 +340,6 @@ def encode_latent(family: "Family", vae: Any, spec: LatentSpec, crop: str) -> di
     # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
     out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
     return out
-
-
-def _progress(kind: str, i: int, n: int) -> None:
-    print(f"\r  encoding {kind}: {i}/{n}", end="\n" if i == n else "", flush=True)
 
 
 def _free(device: "torch.device | str") -> None:
@@ -398,8 +415,9 @@ class Sample:
 
 
 def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
-                 the_plan: CachePlan) -> list[Sample]:
-    """Read every entry of the plan into memory; a corrupt entry is dropped and re-encoded once."""
+                 the_plan: CachePlan, stats: FillStats | None = None) -> list[Sample]:
+    """Read every entry of the plan into memory; a corrupt entry is dropped and re-encoded once
+    (counted in ``stats`` when given)."""
     cache = Cache(cfg.cache.dir)
     for attempt in (1, 2):
         try:
@@ -420,9 +438,35 @@ def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torc
                         cache.get(kind, key)
                     except CorruptEntry:
                         cache.drop(kind, key)
-            fill_cache(cfg, family, model_dir, device, the_plan)
+            _, refill = fill_cache(cfg, family, model_dir, device, the_plan)
+            if stats is not None:  # what was just re-encoded was counted as reused before
+                stats.latents_encoded += refill.latents_encoded
+                stats.latents_reused -= refill.latents_encoded
+                stats.texts_encoded += refill.texts_encoded
+                stats.texts_reused -= refill.texts_encoded
     items = {s.item.path: s.item for s in the_plan.latents}
     return [Sample(items[p].bucket, items[p].repeats, tuple(v)) for p, v in by_item.items()]
+
+
+def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
+    """One warning naming the captions longer than their text encoder's token limit: they were cut
+    off when encoded, so their tail is never trained on. Read from the entries' headers (the
+    encoder counted the tokens), so it is said on every run, not only the one that encoded them."""
+    cache = Cache(cfg.cache.dir)
+    images: dict[str, list[str]] = {}
+    for item in the_plan.scan.items:
+        images.setdefault(item.caption, []).append(item.path.name)
+    long: list[str] = []
+    for caption, spec in the_plan.texts.items():
+        tokens = cache.info("text", spec.key).get("tokens", {})
+        over = [f"{name} {n} of {limit}" for name, (n, limit) in sorted(tokens.items()) if n > limit]
+        if over:
+            long.append(f"{', '.join(images.get(caption, ['?'])[:2])} ({'; '.join(over)} tokens)")
+    if not long:
+        return None
+    return (f"{len(long)} caption(s) are longer than the text encoder reads and are cut off (the rest is not "
+            f"trained on): {', '.join(long[:5])}{', ...' if len(long) > 5 else ''}; shorten them, or raise "
+            "cache.text_max_length where the encoder allows it")
 
 
 @dataclass
@@ -442,9 +486,14 @@ def prepare_images(cfg: "Config", family: "Family", model_dir: Path, device: "to
 
     the_plan, stats = fill_cache(cfg, family, model_dir, device)  # held-out images too: one encoder load
     train_scan, held_scan = split_holdout(cfg, the_plan.scan)
-    samples = load_samples(cfg, family, model_dir, device, subplan(the_plan, train_scan.items))
-    held = load_samples(cfg, family, model_dir, device, subplan(the_plan, held_scan.items)) if held_scan.items else []
-    return PreparedData(samples, dataset_version(train_scan.items), the_plan.scan.warnings,
+    samples = load_samples(cfg, family, model_dir, device, subplan(the_plan, train_scan.items), stats)
+    held = (load_samples(cfg, family, model_dir, device, subplan(the_plan, held_scan.items), stats)
+            if held_scan.items else [])
+    warnings = list(the_plan.scan.warnings)
+    overflow = overflow_warning(cfg, the_plan)
+    if overflow:
+        warnings.append(overflow)
+    return PreparedData(samples, dataset_version(train_scan.items), tuple(warnings),
                         f"{len(samples)} images" + (f" (+{len(held)} held out)" if held else "")
                         + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
                         f"{stats.latents_reused + stats.texts_reused} reused", validation=held)

@@ -115,8 +115,53 @@ def scan_dataset(
         raise DataError([*warnings, f"{root}: no usable images left after skipping bad ones"])
     if uncaptioned:
         warnings.append(_uncaptioned_warning(uncaptioned, trigger_word))
+    warnings += geometry_warnings(items) + shared_caption_warnings(items, caption_ext)
     counts = Counter(item.bucket for item in items)
     return ScanResult(tuple(items), tuple(warnings), dict(sorted(counts.items())))
+
+
+UPSCALE_WARN = 2.0  # an image enlarged more than this to cover its bucket trains blurry
+CROP_WARN = 0.3  # more than this share of an image's area cropped away to fit its bucket
+
+
+def _first(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def geometry_warnings(items: Iterable[DatasetItem]) -> list[str]:
+    """One summary warning per kind: images enlarged far beyond their size, images mostly cropped."""
+    upscaled, cropped = [], []
+    for item in items:
+        (w, h), (bw, bh) = item.size, item.bucket
+        scale = max(bw / w, bh / h)  # resized to cover the bucket, then cropped
+        if scale > UPSCALE_WARN:
+            upscaled.append(f"{item.path.name} ({w}x{h} -> {bw}x{bh}, {scale:.1f}x)")
+        lost = 1 - (bw * bh) / (w * h * scale * scale)
+        if lost > CROP_WARN:
+            cropped.append(f"{item.path.name} ({w}x{h} in {bw}x{bh}, {100 * lost:.0f} % cut)")
+    out = []
+    if upscaled:
+        out.append(f"{len(upscaled)} image(s) are enlarged more than {UPSCALE_WARN:g}x to fill their bucket and will "
+                   f"train soft: {_first(upscaled)}; use larger images or a lower data.resolution")
+    if cropped:
+        out.append(f"{len(cropped)} image(s) lose more than {100 * CROP_WARN:.0f} % of their area to cropping "
+                   f"(aspect ratio beyond the buckets): {_first(cropped)}; crop them yourself or widen "
+                   "data.min_bucket_side / data.max_bucket_side")
+    return out
+
+
+def shared_caption_warnings(items: Iterable[DatasetItem], caption_ext: str) -> list[str]:
+    """Images with the same name in one folder (a.png and a.jpg) read the same caption file: usually
+    one image exported twice, which then trains twice as often."""
+    by_stem: dict[Path, list[Path]] = {}
+    for item in items:
+        by_stem.setdefault(item.path.with_suffix(""), []).append(item.path)
+    groups = [paths for paths in by_stem.values() if len(paths) > 1]
+    if not groups:
+        return []
+    shown = [f"{' + '.join(p.name for p in g)} share {g[0].with_suffix(caption_ext).name}" for g in groups]
+    return [f"{len(groups)} group(s) of images share one caption file and are all trained: {_first(shown)}; "
+            "remove the duplicates or rename them apart"]
 
 
 def dataset_version(items: Iterable[DatasetItem]) -> str:

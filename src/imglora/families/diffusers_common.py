@@ -33,6 +33,14 @@ def prepare_data(family: Any, cfg: Any, model_dir: Path, device: torch.device) -
     return prepare_images(cfg, family, model_dir, device)
 
 
+def data_version(family: Any, cfg: Any) -> str:
+    """The training images' content version, from a scan (no encoder, no model)."""
+    from ..data.cache import scan, split_holdout
+    from ..data.dataset import dataset_version
+
+    return dataset_version(split_holdout(cfg, scan(cfg, family))[0].items)
+
+
 def collate(family: Any, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     from ..data.batches import stack
 

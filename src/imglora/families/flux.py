@@ -36,6 +36,7 @@ class FluxFamily:
     text_folders = common.text_folders
     load_vae = common.load_vae
     prepare_data = common.prepare_data
+    data_version = common.data_version
     collate = common.collate
     save_adapter = common.save_adapter
     read_adapter = common.read_adapter
@@ -70,6 +71,19 @@ class FluxFamily:
                      return_tensors="pt").input_ids.to(t5.device)
         t5_out = t5(ids, output_hidden_states=False)[0]
         return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        """Tokens of the caption against what T5 reads. CLIP-L only gives the pooled vector from its
+        first 77 tokens, as in FluxPipeline, so a longer caption is not cut off for FLUX."""
+        _, t5_tok, _, _ = encoders
+        return {"T5": (len(t5_tok(caption).input_ids), max_length)}
+
+    def block_counts(self, model_dir: Path) -> list[int]:
+        """Blocks in each swappable list (double, single), from the transformer's config alone."""
+        import json
+
+        c = json.loads((Path(model_dir) / "transformer" / "config.json").read_text())
+        return [int(c.get("num_layers", 19)), int(c.get("num_single_layers", 38))]
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "FluxTrainable":

@@ -126,6 +126,9 @@ class LlmFamily:
                    f"assistant tokens trained on; {report.summary()}")
         return PreparedData(train_samples, dataset_version(cfg), tuple(warnings), summary, valid_samples)
 
+    def data_version(self, cfg: Any) -> str:
+        return dataset_version(cfg)
+
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Right-pad to the longest entry; ``keep`` marks the positions whose next token is
         supervised (only their logits are computed) and ``targets`` lists those next tokens."""

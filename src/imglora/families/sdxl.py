@@ -26,6 +26,7 @@ class SdxlFamily:
     text_folders = common.text_folders
     load_vae = common.load_vae
     prepare_data = common.prepare_data
+    data_version = common.data_version
     collate = common.collate
     save_adapter = common.save_adapter
     read_adapter = common.read_adapter
@@ -65,6 +66,12 @@ class SdxlFamily:
             if te is te2:
                 pooled = out.text_embeds
         return {"prompt_embeds": torch.cat(hidden, dim=-1)[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        """Tokens of the caption (with BOS/EOS) against what each encoder reads."""
+        tok1, tok2, _, _ = encoders
+        return {"CLIP-L": (len(tok1(caption).input_ids), max_length),
+                "CLIP-G": (len(tok2(caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> "SdxlTrainable":

@@ -33,25 +33,30 @@ class MemorySetup:
             self.swapper.prepare_forward()
 
 
-def swap_counts(family: "Family", model: nn.Module, m: "MemoryConfig") -> list[int]:
-    """How many blocks of each of the family's block lists to swap."""
-    lists = [getattr(model, name) for name in family.swappable_blocks]
-    if not lists:
+def swap_counts(family: "Family", lengths: list[int], m: "MemoryConfig") -> list[int]:
+    """How many blocks of each of the family's block lists (of ``lengths`` blocks) to swap."""
+    if not lengths:
         return []
     if m.double_blocks_to_swap >= 0 or m.single_blocks_to_swap >= 0:
-        counts = [max(0, m.double_blocks_to_swap), max(0, m.single_blocks_to_swap)][:len(lists)]
-        for name, n, blocks in zip(("memory.double_blocks_to_swap", "memory.single_blocks_to_swap"), counts, lists):
-            if n > len(blocks):
-                raise ImgloraError(f"{name} = {n}, but the model has only {len(blocks)} such blocks")
+        counts = [max(0, m.double_blocks_to_swap), max(0, m.single_blocks_to_swap)][:len(lengths)]
+        for name, n, size in zip(("memory.double_blocks_to_swap", "memory.single_blocks_to_swap"), counts, lengths):
+            if n > size:
+                raise ImgloraError(f"{name} = {n}, but the model has only {size} such blocks")
         return counts
     if m.blocks_to_swap == 0:
-        return [0] * len(lists)
+        return [0] * len(lengths)
     from .swap import kohya_split
 
     try:
-        return list(kohya_split(m.blocks_to_swap, len(lists[0]), len(lists[1])))
+        return list(kohya_split(m.blocks_to_swap, lengths[0], lengths[1]))
     except ValueError as exc:
         raise ImgloraError(f"memory.blocks_to_swap = {m.blocks_to_swap}: {exc}") from None
+
+
+def check_swap_counts(family: "Family", model_dir: Any, m: "MemoryConfig") -> None:
+    """Refuse a swap setting the model cannot take before the model is loaded (from its config)."""
+    if family.swappable_blocks and (m.blocks_to_swap or m.double_blocks_to_swap > 0 or m.single_blocks_to_swap > 0):
+        swap_counts(family, family.block_counts(model_dir), m)
 
 
 def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: torch.device,
@@ -71,7 +76,7 @@ def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: 
         out(q4.summary())
         setup.facts[m.quantization] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
                                        "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
-    counts = swap_counts(family, model, m)
+    counts = swap_counts(family, [len(getattr(model, n)) for n in family.swappable_blocks], m)
     if not any(counts):
         to_device(model, device)
         return setup
