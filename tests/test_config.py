@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from imglora.commands.common import load_config
 from imglora import config
 from imglora.cli import main
 from imglora.errors import ConfigError
@@ -33,18 +34,18 @@ max_steps = 10
 
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
 def test_every_shipped_preset_loads(preset: Path, tmp_path: Path) -> None:
-    cfg = config.load(preset)
+    cfg = load_config(preset)
     assert cfg.version == config.SCHEMA_VERSION
     assert cfg.run.name == preset.stem
     # The printed config reads back to the same config.
     out = write(tmp_path, cfg.to_toml(), preset.name)
-    assert config.load(out) == dataclass_replace_source(cfg, str(out))
+    assert load_config(out) == dataclass_replace_source(cfg, str(out))
 
 
 def test_printed_config_round_trips(tmp_path: Path) -> None:
-    cfg = config.load(write(tmp_path, MINIMAL))
+    cfg = load_config(write(tmp_path, MINIMAL))
     out = write(tmp_path, cfg.to_toml(), "p.toml")  # same stem, so run.name is the same
-    assert config.load(out) == dataclass_replace_source(cfg, str(out))
+    assert load_config(out) == dataclass_replace_source(cfg, str(out))
 
 
 def dataclass_replace_source(cfg, source):
@@ -54,7 +55,7 @@ def dataclass_replace_source(cfg, source):
 
 
 def test_defaults_and_derived_values(tmp_path: Path) -> None:
-    cfg = config.load(write(tmp_path, MINIMAL))
+    cfg = load_config(write(tmp_path, MINIMAL))
     assert cfg.lora.rank == 16 and cfg.lora.alpha == 16.0  # alpha defaults to rank: scale 1
     assert cfg.run.name == "p"
     assert cfg.run_dir == Path("runs") / "p"
@@ -64,7 +65,7 @@ def test_defaults_and_derived_values(tmp_path: Path) -> None:
 def test_all_problems_reported_at_once(tmp_path: Path) -> None:
     p = write(tmp_path, MINIMAL)
     with pytest.raises(ConfigError) as exc:
-        config.load(p, ["train.learnig_rate=1e-4", "train.max_steps=abc", "lora.rank=-3"])
+        load_config(p, ["train.learnig_rate=1e-4", "train.max_steps=abc", "lora.rank=-3"])
     msg = str(exc.value)
     assert msg.startswith(f"3 problems in the configuration {p}:")
     assert '--set train.learnig_rate: unknown key (did you mean "learning_rate"?)' in msg
@@ -89,7 +90,7 @@ scheduler = "cosin"
 x = 1
 """)
     with pytest.raises(ConfigError) as exc:
-        config.load(p)
+        load_config(p)
     problems = exc.value.problems
     assert f"{p}: model.family: expected one of 'sdxl', 'flux', 'llm', got the string \"sdxl3\" (did you mean \"sdxl\"?)" in problems
     assert any(f"{p}: model.path: missing required key" in x for x in problems)
@@ -104,14 +105,14 @@ x = 1
 def test_toml_syntax_error_names_the_line(tmp_path: Path) -> None:
     p = write(tmp_path, 'version = 1\n[model]\nfamily = "sdxl\n')
     with pytest.raises(ConfigError) as exc:
-        config.load(p)
+        load_config(p)
     assert f"{p}: TOML syntax error" in str(exc.value)
     assert "line 3" in str(exc.value)
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such preset file"):
-        config.load(tmp_path / "nope.toml")
+        load_config(tmp_path / "nope.toml")
 
 
 def test_extends_merges_and_errors_name_the_defining_file(tmp_path: Path) -> None:
@@ -119,13 +120,13 @@ def test_extends_merges_and_errors_name_the_defining_file(tmp_path: Path) -> Non
     child = write(tmp_path, 'version = 1\nextends = "base.toml"\n[lora]\nrank = 8\n[train]\nbatch_size = 0\n',
                   "child.toml")
     with pytest.raises(ConfigError) as exc:
-        config.load(child)
+        load_config(child)
     assert exc.value.problems == [f"{child}: train.batch_size: must be at least 1, got 0"]
-    cfg = config.load(child, ["train.batch_size=2"])
+    cfg = load_config(child, ["train.batch_size=2"])
     assert (cfg.lora.rank, cfg.lora.dropout, cfg.train.batch_size, cfg.model.family) == (8, 0.1, 2, "sdxl")
     assert cfg.run.name == "child"
     with pytest.raises(ConfigError) as exc:
-        config.load(base, ["lora.dropout=2.0"])
+        load_config(base, ["lora.dropout=2.0"])
     assert exc.value.problems == ["--set lora.dropout: must be at most 0.99, got 2.0"]
 
 
@@ -133,12 +134,12 @@ def test_extends_cycle(tmp_path: Path) -> None:
     write(tmp_path, 'extends = "b.toml"\n', "a.toml")
     write(tmp_path, 'extends = "a.toml"\n', "b.toml")
     with pytest.raises(ConfigError, match="extends forms a cycle"):
-        config.load(tmp_path / "a.toml")
+        load_config(tmp_path / "a.toml")
 
 
 def test_override_typing(tmp_path: Path) -> None:
     p = write(tmp_path, MINIMAL)
-    cfg = config.load(p, ["lora.targets=[\"to_q\", \"to_k\"]", "data.trigger_word=sks toy", "train.learning_rate=3e-4",
+    cfg = load_config(p, ["lora.targets=[\"to_q\", \"to_k\"]", "data.trigger_word=sks toy", "train.learning_rate=3e-4",
                           "memory.fp8=true", "lora.alpha=4"])
     assert cfg.lora.targets == ["to_q", "to_k"]
     assert cfg.data.trigger_word == "sks toy"
@@ -146,13 +147,13 @@ def test_override_typing(tmp_path: Path) -> None:
     assert cfg.memory.fp8 is True
     assert cfg.lora.alpha == 4.0
     with pytest.raises(ConfigError, match=r"--set bogus: expected section.key=value"):
-        config.load(p, ["bogus"])
+        load_config(p, ["bogus"])
 
 
 def test_cross_field_checks(tmp_path: Path) -> None:
     p = write(tmp_path, MINIMAL)
     with pytest.raises(ConfigError) as exc:
-        config.load(p, ["train.max_steps=0", "memory.blocks_to_swap=4", "data.dir="])
+        load_config(p, ["train.max_steps=0", "memory.blocks_to_swap=4", "data.dir="])
     msg = str(exc.value)
     assert "set train.max_steps or train.epochs" in msg
     assert "block swapping is implemented for the flux family only" in msg
@@ -161,7 +162,7 @@ def test_cross_field_checks(tmp_path: Path) -> None:
 
 def test_fp8_with_4bit_quantization_names_both_keys() -> None:
     with pytest.raises(ConfigError) as exc:
-        config.load(REPO / "presets" / "tiny-llm.toml", ["memory.fp8=true"])
+        load_config(REPO / "presets" / "tiny-llm.toml", ["memory.fp8=true"])
     msg = str(exc.value)
     assert "memory.fp8 = true and memory.quantization = \"qint4\" both quantize the frozen base" in msg
 
@@ -169,7 +170,7 @@ def test_fp8_with_4bit_quantization_names_both_keys() -> None:
 def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     p = write(tmp_path, MINIMAL.replace("version = 1", "version = 99"))
     with pytest.raises(ConfigError, match="schema version 99.*upgrade imglora"):
-        config.load(p)
+        load_config(p)
 
 
 def test_cli_config_exit_code_and_message(tmp_path: Path) -> None:
@@ -188,3 +189,45 @@ def test_cli_config_exit_code_and_message(tmp_path: Path) -> None:
 def test_every_field_has_help() -> None:
     rows = config.field_help()
     assert rows and all(help_ for _, _, help_ in rows)
+
+
+def test_schema_1_presets_migrate_to_the_same_config(tmp_path: Path) -> None:
+    old = write(tmp_path, """
+version = 1
+[model]
+family = "flux"
+path = "tiny:flux"
+[data]
+dir = "x"
+[train]
+max_steps = 5
+guidance = 3.5
+timestep_sampling = "sigmoid"
+noise_offset = 0.1
+[memory]
+double_blocks_to_swap = 2
+single_blocks_to_swap = 0
+""", "old.toml")
+    cfg = load_config(old)
+    assert cfg.version == 2 and cfg.family.guidance == 3.5 and cfg.family.timestep_sampling == "sigmoid"
+    assert (cfg.family.double_blocks_to_swap, cfg.family.single_blocks_to_swap) == (2, 0)
+    # Version 1 ignored another family's key; it is dropped with a note, not refused.
+    assert cfg.notes == ("ignored train.noise_offset: only the sdxl family reads it",)
+    assert "noise_offset" not in cfg.to_toml()
+
+
+def test_another_familys_section_or_a_moved_key_is_an_error_that_says_where_it_went(tmp_path: Path) -> None:
+    p = write(tmp_path, MINIMAL + '\n[flux]\nguidance = 3.5\n')
+    with pytest.raises(ConfigError) as exc:
+        load_config(p, ["train.guidance=2"])
+    msg = str(exc.value)
+    assert "the [flux] section is for the flux family, but model.family = 'sdxl'" in msg
+    assert "--set train.guidance: unknown key (schema 2 moved it to flux.guidance)" in msg
+
+
+def test_keys_lists_every_familys_section() -> None:
+    from imglora.families import registry
+
+    keys = {k for k, _, _ in config.field_help(registry)}
+    assert {"sdxl.noise_offset", "flux.guidance", "flux.double_blocks_to_swap", "llm.data_file",
+            "llm.max_seq_len", "train.learning_rate"} <= keys

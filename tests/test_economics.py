@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from imglora.commands.common import load_config
 from imglora import checkpoint, config, economics as ec, record
 from imglora.cli import main
 from imglora.errors import ImgloraError
@@ -84,10 +85,10 @@ def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Pat
 
 
 def test_estimate_reads_a_finished_run(small_run) -> None:
-    cfg = config.load(REPO / "presets" / "tiny-sdxl.toml",
+    cfg = load_config(REPO / "presets" / "tiny-sdxl.toml",
                       small_run(("01_sky", "02_grass")) + ["train.log_every=1", "train.warmup_steps=0",
                                                            "train.max_steps=8", "train.checkpoint_every=4"])
-    from imglora.train import train
+    from imglora.commands.train import train
 
     train(cfg, out=lambda s: None)
     m = ec.from_run(cfg.run_dir)

@@ -21,7 +21,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from imglora import config, export as ex, lora, record
+from imglora.families.diffusers_image import ADAPTER_FILE
+from imglora.commands.common import load_config
+from imglora import export as ex, lora, record
+from imglora.commands.export import export as export_run
+from imglora.families.flux import keys as flux_keys
+from imglora.families.sdxl import keys as sdxl_keys
 from imglora.errors import ImgloraError
 from imglora.families import get_family
 from imglora.models import resolve_model
@@ -39,7 +44,7 @@ def base_model(family: str):
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
     cls = UNet2DConditionModel if family == "sdxl" else FluxTransformer2DModel
-    return cls.from_pretrained(resolve_model(f"tiny:{family}", family), subfolder=get_family(family).denoiser).eval()
+    return cls.from_pretrained(resolve_model(f"tiny:{family}", get_family(family)), subfolder=get_family(family).denoiser).eval()
 
 
 def randomize_lora(model: nn.Module, seed: int) -> None:
@@ -57,7 +62,7 @@ def make_run(root: Path, family: str, *, rank: int, alpha: float, targets: list[
                  'eval.prompts=["a toy on a wooden table"]']
     if targets is not None:
         overrides.append(f"lora.targets={json.dumps(targets)}")
-    cfg = config.load(REPO / "presets" / f"tiny-{family}.toml", overrides)
+    cfg = load_config(REPO / "presets" / f"tiny-{family}.toml", overrides)
     fam = get_family(family)
     model = base_model(family)
     if peft_targets is None:
@@ -70,12 +75,12 @@ def make_run(root: Path, family: str, *, rank: int, alpha: float, targets: list[
     randomize_lora(model, seed=rank)
     run = root / name
     ckpt = run / "checkpoints" / "step-000010"
-    lora.save_for_diffusers(fam, model, peft_cfg, ckpt / "adapter")
+    fam.save_adapter(model, peft_cfg, ckpt / "adapter")
     (ckpt / "state.json").write_text(json.dumps({"step": 10, "config": cfg.to_dict()}))
-    lora.save_for_diffusers(fam, model, peft_cfg, run / "adapter")
+    fam.save_adapter(model, peft_cfg, run / "adapter")
     rec = record.RunRecord("train", run, cfg.to_dict())
-    rec.set(steps_done=20, total_updates=20, adapter=str(run / "adapter" / lora.ADAPTER_FILE), dataset_version="d" * 64,
-            dataset_items=5, model_dir=str(resolve_model(f"tiny:{family}", family)),
+    rec.set(steps_done=20, total_updates=20, adapter=str(run / "adapter" / ADAPTER_FILE), dataset_version="d" * 64,
+            dataset_items=5, model_dir=str(resolve_model(f"tiny:{family}", get_family(family))),
             model_checksums={f"{fam.denoiser}/diffusion_pytorch_model.safetensors": "a" * 64})
     rec.write()
     return run, model
@@ -184,7 +189,7 @@ FLUX_KOHYA_KEY = re.compile(r"^lora_unet_(double_blocks_\d+_(img|txt)_(attn_qkv|
 
 def test_sdxl_export_is_kohya_form_that_comfyui_maps_with_exact_deltas(sdxl_run, tmp_path) -> None:
     run, model = sdxl_run
-    res = ex.export(run, out=tmp_path / "a.safetensors", dtype="fp32")
+    res = export_run(run, out=tmp_path / "a.safetensors", dtype="fp32")
     sd = tensors_of(res.path)
     assert res.n_tensors == len(sd) and res.format == "default"
     assert all(SDXL_KEY.match(k) for k in sd), [k for k in sd if not SDXL_KEY.match(k)][:5]
@@ -201,7 +206,7 @@ def test_sdxl_export_is_kohya_form_that_comfyui_maps_with_exact_deltas(sdxl_run,
 
 def test_flux_default_export_maps_in_comfyui_with_exact_deltas(flux_run, tmp_path) -> None:
     run, model = flux_run
-    sd = tensors_of(ex.export(run, out=tmp_path / "f.safetensors", dtype="fp32").path)
+    sd = tensors_of(export_run(run, out=tmp_path / "f.safetensors", dtype="fp32").path)
     assert all(FLUX_KEY.match(k) for k in sd), [k for k in sd if not FLUX_KEY.match(k)][:5]
     assert {v.item() for k, v in sd.items() if k.endswith(".alpha")} == {2.0}
     deltas, not_loaded = comfy_load(sd, flux_key_map(base_model("flux")))
@@ -211,7 +216,7 @@ def test_flux_default_export_maps_in_comfyui_with_exact_deltas(flux_run, tmp_pat
 
 def test_bf16_export_is_the_trained_weights_rounded_once(flux_run, tmp_path) -> None:
     run, model = flux_run
-    sd = tensors_of(ex.export(run, out=tmp_path / "b.safetensors").path)  # dtype from the run: bf16
+    sd = tensors_of(export_run(run, out=tmp_path / "b.safetensors").path)  # dtype from the run: bf16
     trained = lora.adapter_state_dict(model)
     weights = {k: v for k, v in sd.items() if not k.endswith(".alpha")}
     assert len(weights) == len(trained)
@@ -225,10 +230,10 @@ def _bfl_zero_checkpoint(transformer: nn.Module) -> dict[str, torch.Tensor]:
     rows: dict[str, dict[str, nn.Linear]] = {}
     for name, m in transformer.named_modules():
         if isinstance(m, nn.Linear):
-            rows.setdefault(ex.flux_bfl_module(name), {})[name] = m
+            rows.setdefault(flux_keys.flux_bfl_module(name), {})[name] = m
     sd = {}
     for bfl, parts in rows.items():
-        order = [p for p, _ in ex.flux_fused_parts(bfl) or [(next(iter(parts)), 1)]]
+        order = [p for p, _ in flux_keys.flux_fused_parts(bfl) or [(next(iter(parts)), 1)]]
         n_out, n_in = sum(parts[p].out_features for p in order), parts[order[0]].in_features
         sd[f"{bfl}.weight"], sd[f"{bfl}.bias"] = torch.zeros(n_out, n_in), torch.zeros(n_out)
     norms = {"transformer_blocks": {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
@@ -260,7 +265,7 @@ def test_flux_kohya_fused_form_rebuilds_every_trained_delta(flux_mixed_run, tmp_
     splits them back into diffusers modules, which must carry exactly the trained deltas (zero for
     untrained slices). This checks names, slice order, the norm_out swap and the fused alpha."""
     run, model = flux_mixed_run
-    res = ex.export(run, out=tmp_path / "k.safetensors", dtype="fp32", fmt="kohya")
+    res = export_run(run, out=tmp_path / "k.safetensors", dtype="fp32", fmt="kohya")
     sd = tensors_of(res.path)
     assert all(FLUX_KOHYA_KEY.match(k) for k in sd), [k for k in sd if not FLUX_KOHYA_KEY.match(k)][:5]
 
@@ -286,7 +291,7 @@ def test_flux_kohya_fused_form_rebuilds_every_trained_delta(flux_mixed_run, tmp_
 
 def test_fused_alpha_is_k_times_alpha_and_slices_are_exact(flux_mixed_run, tmp_path) -> None:
     run, model = flux_mixed_run
-    sd = tensors_of(ex.export(run, out=tmp_path / "k.safetensors", dtype="fp32", fmt="kohya").path)
+    sd = tensors_of(export_run(run, out=tmp_path / "k.safetensors", dtype="fp32", fmt="kohya").path)
     peft = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
     # Double block 0: q and v trained, k not -> fused rank 2·3, alpha 2·5 (kohya's split_qkv would keep 5).
     k = "lora_unet_double_blocks_0_img_attn_qkv"
@@ -333,7 +338,7 @@ class _Capture(logging.Handler):
 def load_in_pipeline(family: str, path: Path):
     import diffusers
 
-    pipe = getattr(diffusers, get_family(family).pipeline).from_pretrained(resolve_model(f"tiny:{family}", family))
+    pipe = getattr(diffusers, get_family(family).pipeline).from_pretrained(resolve_model(f"tiny:{family}", get_family(family)))
     capture = _Capture()
     logger = logging.getLogger("diffusers")
     logger.addHandler(capture)
@@ -365,7 +370,7 @@ def assert_same_adapters(loaded: nn.Module, trained: nn.Module) -> None:
 
 def test_sdxl_export_loads_in_diffusers_with_same_output(sdxl_run, tmp_path) -> None:
     run, model = sdxl_run
-    pipe = load_in_pipeline("sdxl", ex.export(run, out=tmp_path / "s.safetensors", dtype="fp32").path)
+    pipe = load_in_pipeline("sdxl", export_run(run, out=tmp_path / "s.safetensors", dtype="fp32").path)
     assert_same_adapters(pipe.unet, model)
     gen = torch.Generator().manual_seed(1)
     cond = model.config.cross_attention_dim
@@ -386,7 +391,7 @@ def test_sdxl_export_loads_in_diffusers_with_same_output(sdxl_run, tmp_path) -> 
 
 def test_flux_export_loads_in_diffusers_with_same_output(flux_run, tmp_path) -> None:
     run, model = flux_run
-    pipe = load_in_pipeline("flux", ex.export(run, out=tmp_path / "f.safetensors", dtype="fp32").path)
+    pipe = load_in_pipeline("flux", export_run(run, out=tmp_path / "f.safetensors", dtype="fp32").path)
     assert_same_adapters(pipe.transformer, model)
     inputs = flux_inputs(model)
     with torch.no_grad():
@@ -419,7 +424,7 @@ def test_flux_kohya_export_loads_in_diffusers_double_blocks(tmp_path) -> None:
     targets = [n for n, m in base_model("flux").named_modules()
                if isinstance(m, nn.Linear) and n.startswith("transformer_blocks.")]
     run, model = make_run(tmp_path, "flux", rank=2, alpha=7.0, peft_targets=targets)
-    path = ex.export(run, out=tmp_path / "k.safetensors", dtype="fp32", fmt="kohya").path
+    path = export_run(run, out=tmp_path / "k.safetensors", dtype="fp32", fmt="kohya").path
     assert any(k.endswith("img_attn_qkv.alpha") for k in tensors_of(path))
     pipe = load_in_pipeline("flux", path)
     inputs = flux_inputs(model)
@@ -434,7 +439,7 @@ def test_flux_kohya_export_loads_in_diffusers_double_blocks(tmp_path) -> None:
 
 def test_metadata_kohya_modelspec_and_base_model(sdxl_run, tmp_path) -> None:
     run, _ = sdxl_run
-    res = ex.export(run, out=tmp_path / "m.safetensors")
+    res = export_run(run, out=tmp_path / "m.safetensors")
     meta = header(res.path)
     assert meta == res.metadata
     assert meta["ss_network_module"] == "networks.lora" and meta["ss_base_model_version"] == "sdxl_base_v1-0"
@@ -456,7 +461,7 @@ def test_metadata_kohya_modelspec_and_base_model(sdxl_run, tmp_path) -> None:
 
 
 def test_flux_metadata(flux_run, tmp_path) -> None:
-    meta = ex.export(flux_run[0], out=tmp_path / "m.safetensors", fmt="kohya").metadata
+    meta = export_run(flux_run[0], out=tmp_path / "m.safetensors", fmt="kohya").metadata
     assert meta["ss_network_module"] == "networks.lora_flux" and meta["ss_base_model_version"] == "flux1"
     assert meta["modelspec.architecture"] == "flux-1-dev/lora" and "modelspec.prediction_type" not in meta
     assert meta["imglora.format"] == "kohya" and meta["ss_network_alpha"] == "2.0"
@@ -469,10 +474,10 @@ def test_flux_metadata(flux_run, tmp_path) -> None:
 
 def test_source_selection(flux_run, tmp_path) -> None:
     run, _ = flux_run
-    assert ex.find_source(run).path == run / "adapter" / lora.ADAPTER_FILE
+    assert ex.find_source(run).path == run / "adapter" / ADAPTER_FILE
     assert ex.find_source(run, "final").step == 20
     src = ex.find_source(run, "10")
-    assert src.step == 10 and src.path == run / "checkpoints" / "step-000010" / "adapter" / lora.ADAPTER_FILE
+    assert src.step == 10 and src.path == run / "checkpoints" / "step-000010" / "adapter" / ADAPTER_FILE
     with pytest.raises(ImgloraError, match=r"no checkpoint for step 7; available steps: 10"):
         ex.find_source(run, "7")
     with pytest.raises(ImgloraError, match="no such run folder"):
@@ -498,24 +503,25 @@ def test_latest_prefers_a_checkpoint_newer_than_the_final_adapter(flux_run, tmp_
 
 
 def test_text_encoder_names() -> None:
-    assert ex.kohya_name("sdxl", "text_encoder.text_model.encoder.layers.0.self_attn.q_proj") == \
+    assert sdxl_keys.module_name("text_encoder.text_model.encoder.layers.0.self_attn.q_proj") == \
         "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
-    assert ex.kohya_name("sdxl", "text_encoder_2.text_model.encoder.layers.31.mlp.fc1") == \
+    assert sdxl_keys.module_name("text_encoder_2.text_model.encoder.layers.31.mlp.fc1") == \
         "lora_te2_text_model_encoder_layers_31_mlp_fc1"
-    assert ex.kohya_name("flux", "text_encoder_2.encoder.block.0.layer.0.SelfAttention.q") == \
-        "lora_te3_encoder_block_0_layer_0_SelfAttention_q"
+    m = ex.LoraModule(torch.zeros(1, 2), torch.zeros(2, 1), 1.0)
+    assert set(flux_keys.kohya_form({"text_encoder_2.encoder.block.0.layer.0.SelfAttention.q": m})) >= \
+        {"lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_down.weight"}
 
 
 def test_default_destination_and_bad_options(flux_run, tmp_path) -> None:
     run, _ = flux_run
-    res = ex.export(run, name="mine", force=True)
+    res = export_run(run, name="mine", force=True)
     assert res.path == run / "export" / "mine.safetensors"
     assert res.workflow_ui == run / "export" / "mine.workflow.json"
     for kwargs, pattern in [({"dtype": "int8"}, "--dtype int8"), ({"fmt": "peft"}, "--format peft"),
                             ({"name": "../x"}, "plain file name"), ({"out": tmp_path / "x.bin"}, ".safetensors"),
                             ({"out": tmp_path / "a.safetensors", "comfyui": tmp_path}, "not both")]:
         with pytest.raises(ImgloraError, match=re.escape(pattern)):
-            ex.export(run, **kwargs)
+            export_run(run, **kwargs)
 
 
 def fake_comfyui(root: Path) -> Path:
@@ -529,13 +535,13 @@ def fake_comfyui(root: Path) -> Path:
 def test_export_into_comfyui_with_workflows(sdxl_run, tmp_path) -> None:
     run, _ = sdxl_run
     comfy = fake_comfyui(tmp_path / "ComfyUI")
-    res = ex.export(run, comfyui=comfy, name="toy_lora")
+    res = export_run(run, comfyui=comfy, name="toy_lora")
     assert res.path == comfy / "models" / "loras" / "toy_lora.safetensors"
     assert not list(res.path.parent.glob(".*tmp"))  # the temporary file was renamed, not left behind
     with pytest.raises(ImgloraError, match="already exists; pass --force"):
-        ex.export(run, comfyui=comfy, name="toy_lora")
+        export_run(run, comfyui=comfy, name="toy_lora")
     before = tensors_of(res.path)
-    ex.export(run, comfyui=comfy, name="toy_lora", force=True, fmt="kohya")
+    export_run(run, comfyui=comfy, name="toy_lora", force=True, fmt="kohya")
     after = tensors_of(res.path)  # SDXL's kohya form is its default form
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -556,7 +562,7 @@ def test_exported_files_follow_the_umask_so_another_user_can_read_them(sdxl_run,
     (tmp_path / "shared").mkdir()
     old = os.umask(0o022)
     try:
-        res = ex.export(run, out=tmp_path / "shared", name="for_comfy")
+        res = export_run(run, out=tmp_path / "shared", name="for_comfy")
     finally:
         os.umask(old)
     for path in (res.path, res.workflow_api, res.workflow_ui):
@@ -564,7 +570,7 @@ def test_exported_files_follow_the_umask_so_another_user_can_read_them(sdxl_run,
 
 
 def test_flux_workflow_uses_split_files_and_model_only_loader(flux_run, tmp_path) -> None:
-    res = ex.export(flux_run[0], comfyui=fake_comfyui(tmp_path / "C"))
+    res = export_run(flux_run[0], comfyui=fake_comfyui(tmp_path / "C"))
     api = json.loads(res.workflow_api.read_text())
     check_workflows(api, json.loads(res.workflow_ui.read_text()), "toy.safetensors", "LoraLoaderModelOnly")
     by_type = {n["class_type"]: n["inputs"] for n in api.values()}
@@ -627,8 +633,8 @@ def test_extra_model_paths_yaml_default_lora_folder(flux_run, tmp_path) -> None:
     # ComfyUI's order: the is_default folder first, then models/loras, then the other extra folders.
     assert comfyui.lora_folders(root.resolve()) == [shared / "Lora", root.resolve() / "models" / "loras",
                                                     shared / "LyCORIS"]
-    res = ex.export(flux_run[0], comfyui=root, name="shared_lora")
+    res = export_run(flux_run[0], comfyui=root, name="shared_lora")
     assert res.path == shared / "Lora" / "shared_lora.safetensors"
     (root / "extra_model_paths.yaml").write_text("x:\n  is_default: true\n  loras: /nonexistent/loras\n")
     with pytest.raises(ImgloraError, match="does not exist"):
-        ex.export(flux_run[0], comfyui=root, name="other")
+        export_run(flux_run[0], comfyui=root, name="other")

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from imglora.families import get_family
 from imglora.errors import ModelSourceError
 from imglora.models import resolve_model
 
@@ -11,7 +12,7 @@ from imglora.models import resolve_model
 def test_hub_id_missing_from_local_cache_names_it_and_how_to_download(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf"))
     with pytest.raises(ModelSourceError) as exc:
-        resolve_model("black-forest-labs/FLUX.1-dev", "flux")
+        resolve_model("black-forest-labs/FLUX.1-dev", get_family("flux"))
     msg = str(exc.value)
     assert "'black-forest-labs/FLUX.1-dev' is not in the local Hugging Face cache" in msg
     assert "hf download black-forest-labs/FLUX.1-dev" in msg
@@ -26,32 +27,32 @@ def test_hub_id_found_in_local_cache(tmp_path: Path, monkeypatch) -> None:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf"))
-    assert resolve_model("someone/tiny-sdxl", "sdxl") == snap
+    assert resolve_model("someone/tiny-sdxl", get_family("sdxl")) == snap
 
 
 def test_local_folder_must_be_in_the_family_format(tmp_path: Path) -> None:
     with pytest.raises(ModelSourceError, match="has no model_index.json; the sdxl family needs a diffusers-format"):
-        resolve_model(str(tmp_path), "sdxl")
+        resolve_model(str(tmp_path), get_family("sdxl"))
     (tmp_path / "config.json").write_text("{}")
-    assert resolve_model(str(tmp_path), "llm") == tmp_path
+    assert resolve_model(str(tmp_path), get_family("llm")) == tmp_path
 
 
 def test_bad_paths(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"")
     with pytest.raises(ModelSourceError, match="is a file"):
-        resolve_model(str(f), "sdxl")
+        resolve_model(str(f), get_family("sdxl"))
     with pytest.raises(ModelSourceError, match="no such folder"):
-        resolve_model(str(tmp_path / "nope" / "deeper" / "x"), "sdxl")
+        resolve_model(str(tmp_path / "nope" / "deeper" / "x"), get_family("sdxl"))
     with pytest.raises(ModelSourceError, match="use tiny:flux"):
-        resolve_model("tiny:sdxl", "flux")
-    with pytest.raises(ModelSourceError, match="valid names are tiny:sdxl, tiny:flux, tiny:llm"):
-        resolve_model("tiny:sd15", "sd15")
+        resolve_model("tiny:sdxl", get_family("flux"))
+    with pytest.raises(ModelSourceError, match="'tiny:sd15' is a tiny sd15 model, but model.family = 'sdxl'; use tiny:sdxl"):
+        resolve_model("tiny:sd15", get_family("sdxl"))
 
 
 def test_tiny_models_resolve_to_their_built_folder() -> None:
     for kind, marker in (("sdxl", "model_index.json"), ("flux", "model_index.json"), ("llm", "config.json")):
-        folder = resolve_model(f"tiny:{kind}", kind)
+        folder = resolve_model(f"tiny:{kind}", get_family(kind))
         assert (folder / marker).is_file()
 
 

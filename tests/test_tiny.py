@@ -13,6 +13,9 @@ import pytest
 
 from imglora import tiny
 from imglora.errors import ModelSourceError
+from imglora.families import registry
+
+KINDS = registry.names()
 
 PROMPT = "a photo of sks toy, red ball"
 
@@ -21,9 +24,9 @@ PROMPT = "a photo of sks toy, red ball"
 def built(tmp_path_factory) -> dict[str, Path]:
     """Each kind built once with seed 0 for the whole module."""
     root = tmp_path_factory.mktemp("tiny")
-    for kind in tiny.TINY_KINDS:
-        tiny.build_tiny(kind, root / kind, seed=0)
-    return {kind: root / kind for kind in tiny.TINY_KINDS}
+    for kind in KINDS:
+        tiny.build_tiny(registry.get(kind), root / kind, seed=0)
+    return {kind: root / kind for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +187,9 @@ def test_llm_generates_and_renders_chatml(built):
 # --- building --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", tiny.TINY_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_build_is_deterministic_small_and_offline_format(kind, built, tmp_path):
-    tiny.build_tiny(kind, tmp_path / kind, seed=0)
+    tiny.build_tiny(registry.get(kind), tmp_path / kind, seed=0)
     assert _digests(tmp_path / kind) == _digests(built[kind])
     assert _size(built[kind]) < 10 * 2**20
     # Real layouts: safetensors only, no pickled weights.
@@ -195,16 +198,16 @@ def test_build_is_deterministic_small_and_offline_format(kind, built, tmp_path):
 
 
 def test_seed_changes_the_weights(built, tmp_path):
-    tiny.build_tiny("sdxl", tmp_path, seed=1)
+    tiny.build_tiny(registry.get("sdxl"), tmp_path, seed=1)
     weights = "unet/diffusion_pytorch_model.safetensors"
     assert _digests(tmp_path)[weights] != _digests(built["sdxl"])[weights]
 
 
 def test_ensure_tiny_builds_once(tmp_path):
-    first = tiny.ensure_tiny("llm", root=tmp_path)
+    first = tiny.ensure_tiny(registry.get("llm"), root=tmp_path)
     assert first == tiny.tiny_dir("llm", tmp_path) == tmp_path / "tiny" / f"llm-v{tiny.TINY_VERSION}"
     mtimes = {f: f.stat().st_mtime_ns for f in first.rglob("*")}
-    assert tiny.ensure_tiny("llm", root=tmp_path) == first
+    assert tiny.ensure_tiny(registry.get("llm"), root=tmp_path) == first
     assert {f: f.stat().st_mtime_ns for f in first.rglob("*")} == mtimes
     assert [p.name for p in first.parent.iterdir() if not p.name.endswith(".lock")] == [first.name]
 
@@ -214,9 +217,11 @@ def test_ensure_tiny_never_trusts_a_half_built_folder(tmp_path, monkeypatch):
         (dest / "config.json").write_text("{}")
         raise RuntimeError("killed mid-build")
 
-    monkeypatch.setitem(tiny._BUILDERS, "llm", crash)
+    from imglora.families.llm import tiny as llm_tiny
+
+    monkeypatch.setattr(llm_tiny, "build", crash)
     with pytest.raises(RuntimeError, match="killed"):
-        tiny.ensure_tiny("llm", root=tmp_path)
+        tiny.ensure_tiny(registry.get("llm"), root=tmp_path)
     dest = tiny.tiny_dir("llm", tmp_path)
     assert not dest.exists()
     assert [p.name for p in dest.parent.iterdir() if not p.name.endswith(".lock")] == []
@@ -225,13 +230,13 @@ def test_ensure_tiny_never_trusts_a_half_built_folder(tmp_path, monkeypatch):
     monkeypatch.undo()
     dest.mkdir(parents=True)
     (dest / "config.json").write_text("{}")
-    assert tiny.ensure_tiny("llm", root=tmp_path) == dest
+    assert tiny.ensure_tiny(registry.get("llm"), root=tmp_path) == dest
     assert (dest / "model.safetensors").is_file()
 
 
 def test_ensure_tiny_concurrent_callers_share_one_build(tmp_path):
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(tiny.ensure_tiny("llm", root=tmp_path)))
+    threads = [threading.Thread(target=lambda: results.append(tiny.ensure_tiny(registry.get("llm"), root=tmp_path)))
                for _ in range(2)]
     for t in threads:
         t.start()
@@ -242,14 +247,14 @@ def test_ensure_tiny_concurrent_callers_share_one_build(tmp_path):
     assert [p.name for p in results[0].parent.iterdir() if not p.name.endswith(".lock")] == [results[0].name]
 
 
-@pytest.mark.parametrize("call", [tiny.tiny_dir, tiny.ensure_tiny,
-                                  lambda kind: tiny.build_tiny(kind, Path("unused"))])
-def test_unknown_kind_names_the_valid_ones(call):
-    with pytest.raises(ModelSourceError) as err:
-        call("sd15")
-    assert "tiny:sd15" in str(err.value)
-    for kind in tiny.TINY_KINDS:
-        assert f"tiny:{kind}" in str(err.value)
+def test_a_tiny_model_of_another_family_names_the_right_one():
+    from imglora.models import resolve_model
+
+    with pytest.raises(ModelSourceError, match=r"'tiny:sd15' is a tiny sd15 model, but model.family = 'flux'; "
+                                               r"use tiny:flux"):
+        resolve_model("tiny:sd15", registry.get("flux"))
+    with pytest.raises(KeyError, match="no family 'sd15'; known: sdxl, flux, llm"):
+        registry.get("sd15")
 
 
 def test_home_follows_the_environment(monkeypatch, tmp_path):

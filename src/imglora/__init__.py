@@ -1,3 +1,5 @@
-"""imglora: LoRA training for SDXL and FLUX.1-dev, built for rented GPUs."""
+"""imglora: LoRA training for image models (and chat LLMs) on rented GPUs."""
 
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__"]

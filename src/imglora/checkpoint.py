@@ -17,7 +17,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -26,14 +26,8 @@ from safetensors.torch import load_file, save_file
 from . import atomic
 from .errors import ImgloraError
 
-# Keys that do not change what is trained: they may differ on --resume.
-RESUME_NEUTRAL = (
-    "run.", "eval.prompts", "eval.sample_steps", "eval.guidance_scale", "eval.seed", "eval.every", "eval.strengths",
-    "eval.fp8", "eval.blocks_to_swap", "export.", "cache.dir", "data.dir", "train.checkpoint_every", "train.keep_checkpoints",
-    "train.log_every", "train.eval_after", "train.budget.", "memory.gradient_checkpointing", "memory.blocks_to_swap", "memory.double_blocks_to_swap",
-    "memory.single_blocks_to_swap",
-)
-
+if TYPE_CHECKING:
+    from .config import Config
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
@@ -114,12 +108,21 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ and that change what is trained."""
-    flat_old, flat_new = _flatten(old), _flatten(new)
+def config_differences(old: dict[str, Any], new: "Config", families: Any) -> list[str]:
+    """Dotted keys whose values differ and that change what is trained (fields not marked
+    ``resume_safe``). ``old`` is a checkpoint's saved config, of any schema version: it is migrated
+    first, so a checkpoint written before a key moved compares equal when nothing changed."""
+    from .config import ConfigError, from_dict, resume_safe_keys
+
+    try:
+        old = from_dict(old, families, source="checkpoint").to_dict()
+    except ConfigError:
+        pass  # compare as saved: every difference is then reported
+    safe = resume_safe_keys(new)
+    flat_old, flat_new = _flatten(old), _flatten(new.to_dict())
     diffs = []
     for key in sorted(set(flat_old) | set(flat_new)):
-        if key.startswith(RESUME_NEUTRAL) or key in RESUME_NEUTRAL:
+        if key in safe:
             continue
         a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
         if a != b:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from .version import __version__
 from .errors import ImgloraError
 
 SET_HELP = "Override a preset key, e.g. --set train.max_steps=100 (repeatable)."
@@ -51,15 +51,12 @@ def main(verbose: bool) -> None:
 
 
 def _load(preset: str, overrides: tuple[str, ...]):
-    from . import config
+    from .commands.common import load_config
 
-    return config.load(preset, overrides)
-
-
-def _device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = load_config(preset, overrides)
+    for note in cfg.notes:
+        click.echo(f"note: {note}", err=True)
+    return cfg
 
 
 @main.command("config", short_help="Check a preset and print the resolved config as TOML.")
@@ -68,10 +65,11 @@ def _device():
 @click.option("--keys", is_flag=True, help="List every key with its default and meaning instead.")
 def config_cmd(preset: str, overrides: tuple[str, ...], keys: bool) -> None:
     """Check a preset and print the resolved configuration as TOML."""
-    from . import config
-
     if keys:
-        for key, default, help_ in config.field_help():
+        from . import config
+        from .families import registry
+
+        for key, default, help_ in config.field_help(registry):
             click.echo(f"{key} = {default}\n    {help_}")
         return
     click.echo(_load(preset, overrides).to_toml(), nl=False)
@@ -83,50 +81,12 @@ def config_cmd(preset: str, overrides: tuple[str, ...], keys: bool) -> None:
 @click.option("--verify", is_flag=True, help="Re-check every cache entry and report stale, missing or corrupt ones.")
 def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> None:
     """Encode VAE latents and text-encoder outputs once, into the content-keyed cache."""
-    from . import record
-    from .data import cache
-    from .data.dataset import dataset_version
-    from .families import get_family
-    from .models import resolve_model
+    from .commands.cache import cache_latents
 
-    from .atomic import check_writable
-
-    cfg = _load(preset, overrides)
-    family = get_family(cfg.model.family)
-    device = _device()
-    if not verify:
-        check_writable(cfg.cache.dir, "cache.dir")
-    rec = record.RunRecord("cache-latents", cfg.run_dir, cfg.to_dict())
-    with rec.phase("resolve_model"):
-        model_dir = resolve_model(cfg.model.path, cfg.model.family)
-    with rec.phase("scan"):
-        scanned = cache.scan(cfg, family)
-    for w in scanned.warnings:
-        click.echo(f"warning: {w}", err=True)
-    if verify:
-        report = cache.verify(cfg, family, model_dir, device)
-        click.echo(f"{report.ok} entries ok, {len(report.missing)} missing, {len(report.stale)} stale, "
-                   f"{len(report.corrupt)} corrupt")
-        for label, rows in (("missing", report.missing), ("stale", report.stale), ("corrupt", report.corrupt)):
-            for row in rows:
-                click.echo(f"  {label}: {row}")
-        if report.missing or report.corrupt:
-            click.echo("run `imglora cache-latents` again to encode missing and corrupt entries", err=True)
-            sys.exit(1)
-        return
-    with rec.phase("cache"):
-        the_plan, stats = cache.fill_cache(cfg, family, model_dir, device)
-    click.echo(f"latents: {stats.latents_encoded} encoded, {stats.latents_reused} reused; "
-               f"text: {stats.texts_encoded} encoded, {stats.texts_reused} reused; "
-               f"{stats.seconds:.2f} s (cache in {cfg.cache.dir})")
-    with rec.phase("checksums"):
-        rec.set(model_dir=str(model_dir), model_checksums=record.folder_checksums(model_dir),
-                dataset_version=dataset_version(cache.split_holdout(cfg, scanned)[0].items),
-                dataset_items=len(scanned.items),
-                cache_identities=the_plan.identities,
-                cache_stats={k: v for k, v in vars(stats).items()})
-    path = rec.write()
-    click.echo(f"record: {path}")
+    code = cache_latents(_load(preset, overrides), verify=verify, out=click.echo,
+                         warn=lambda s: click.echo(s, err=True))
+    if code:
+        sys.exit(code)
 
 
 @main.command("train", short_help="Train a LoRA: cache, train, checkpoint, adapter, record.")
@@ -137,8 +97,8 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
     """Train a LoRA adapter: cache, train, checkpoint, write the adapter and run record."""
     import shlex
 
+    from .commands.train import train
     from .progress import stamped
-    from .train import train
 
     cfg = _load(preset, overrides)
     command = shlex.join(["imglora", "train", preset, *[x for o in overrides for x in ("--set", o)]])
@@ -161,13 +121,14 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
 @click.option("--name", default=None, help="File name without extension; default: the run's name.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Precision of the exported tensors; default: the preset's export.dtype (bf16).")
-@click.option("--format", "fmt", type=click.Choice(["default", "kohya"]), default=None,
-              help="Key layout; default: kohya form for SDXL, diffusers form for FLUX (both load in ComfyUI).")
+@click.option("--format", "fmt", default=None, metavar="FORM",
+              help="Key layout: default (the family's ComfyUI-ready form) or another form the family offers, "
+                   "e.g. kohya; default: the preset's export.format.")
 @click.option("--force", is_flag=True, help="Replace an existing file.")
 def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | None, name: str | None,
                dtype: str | None, fmt: str | None, force: bool) -> None:
     """Write a ComfyUI-ready .safetensors (and two ComfyUI workflows) from a run."""
-    from .export import export
+    from .commands.export import export
 
     r = export(Path(run_dir), checkpoint=checkpoint, comfyui=Path(comfyui) if comfyui else None,
                out=Path(out) if out else None, name=name, dtype=dtype, fmt=fmt, force=force)
@@ -187,16 +148,16 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
 @click.option("--resolution", type=click.IntRange(min=16), help="Square training resolution (default: the preset's).")
 @click.option("--vram-budget", help="Name the fastest setting whose peak reserved memory fits, e.g. 24GB.")
 @click.option("--arch", type=click.Choice(["preset", "full"]), default="preset", show_default=True,
-              help="full: the real FLUX.1-dev / SDXL architecture with random weights (no download).")
+              help="full: the family's full-size architecture with random weights (no download).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Folder for bench.json/csv/png.")
 @click.option("--timeout", default=3600, show_default=True, type=click.IntRange(min=1),
               help="Seconds allowed per setting.")
 def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vram_budget, arch, out_dir, timeout):
     """Measure seconds per update and peak memory for several swap settings; name the fastest that fits."""
-    from . import bench, config
+    from .commands import bench
     from .progress import stamped
 
-    cfg = config.load(preset, overrides)
+    cfg = _load(preset, overrides)
     settings = bench.parse_settings(blocks, cfg.memory.fp8 if fp8 is None else fp8)
     bench.bench_swap(preset, overrides, settings, steps=steps, warmup=warmup, resolution=resolution,
                      vram_budget=bench.parse_size(vram_budget), arch=arch, out_dir=Path(out_dir) if out_dir else None,
@@ -266,108 +227,16 @@ def estimate_cmd(run_dir, bench_file, setting, steps, epochs, dataset_size, batc
                  sec_per_micro_batch, its, its_unit, setup, cache_s, checkpoint_every, sec_per_checkpoint,
                  eval_seconds, idle_minutes, rate, currency, storage, transfer, offers) -> None:
     """Session time and cost from measured phases: where the time goes, and what it costs per offer."""
-    from . import economics as ec
-    from .errors import ImgloraError
+    from .commands.estimate import estimate
 
-    if run_dir:
-        m = ec.from_run(Path(run_dir))
-    elif bench_file:
-        m = ec.from_bench(Path(bench_file), setting)
-    else:
-        m = ec.Measured(source="the command line")
-    accum = accum or m.grad_accum
-    batch_size = batch_size or m.batch_size
-    spu = sec_per_update or (ec.seconds_per_update_from(its=its, its_unit=its_unit,
-                                                        sec_per_micro_batch=sec_per_micro_batch, grad_accum=accum)
-                             if its or sec_per_micro_batch else m.seconds_per_update)
-    if spu is None:
-        raise ImgloraError("no seconds per update: give a run folder, --bench, --sec-per-update, --its or "
-                           "--sec-per-micro-batch")
-    if epochs is not None:
-        size = dataset_size or m.dataset_size
-        if not size:
-            raise ImgloraError("--epochs needs --dataset-size (images per epoch, with repeats)")
-        steps = ec.steps_for_epochs(epochs, size, batch_size, accum)
-    steps = steps or m.steps
-    if not steps:
-        raise ImgloraError("how many updates? give --steps, or --epochs with --dataset-size")
-    every = m.checkpoint_every if checkpoint_every is None else checkpoint_every
-    inputs = ec.SessionInputs(
-        setup=m.setup if setup is None else setup, cache=m.cache if cache_s is None else cache_s, steps=steps,
-        seconds_per_update=spu, checkpoints=ec.checkpoint_count(steps, every),
-        seconds_per_checkpoint=m.seconds_per_checkpoint if sec_per_checkpoint is None else sec_per_checkpoint,
-        evaluation=m.evaluation if eval_seconds is None else eval_seconds, idle=idle_minutes * 60)
-    extras = ec.Extras(*_pair(storage, "--storage"), *_pair(transfer, "--transfer"))
-    est = ec.estimate(inputs, rate, currency, extras)
-    click.echo(f"session estimate from {m.source}: {steps} updates, batch {batch_size} × accumulation {accum}")
-    click.echo(ec.format_estimate(est, steps, spu))
-    if m.actual_seconds and steps == m.steps and idle_minutes == 0:
-        err = 100 * (est.seconds - m.actual_seconds) / m.actual_seconds
-        click.echo(f"  measured session of that run: {m.actual_seconds:.1f} s (estimate {err:+.1f} %)")
-    speed_source = ("--sec-per-update" if sec_per_update else "--its" if its else "--sec-per-micro-batch"
-                    if sec_per_micro_batch else m.source)
-    for offer in offers:
-        name, offer_rate, offer_spu = _offer(offer)
-        if offer_spu is None and not (sec_per_update or its or sec_per_micro_batch) and m.device == "cpu":
-            raise ImgloraError(f"--offer {offer!r} gives no seconds per update, and the only measured speed ({m.source}) "
-                               f"was measured on the CPU ({m.device_name}), which says nothing about a GPU offer; "
-                               f"write it as \"{name}:{offer_rate:g}:SEC_PER_UPDATE\" with a speed measured on that "
-                               "GPU (imglora bench-swap there), or pass --sec-per-update")
-        o = ec.estimate(ec.SessionInputs(**{**vars(inputs), "seconds_per_update": offer_spu or spu}), offer_rate,
-                        currency, extras)
-        if offer_spu:
-            basis = "measured there"
-        else:
-            where = f", measured on {m.device_name}" if m.device_name and speed_source == m.source else ""
-            basis = f"assumes the speed from {speed_source}{where}"
-        click.echo(f"  offer {name}: {o.hours:.2f} h, {o.cost:.2f} {currency} ({offer_rate:g} {currency}/h, "
-                   f"{offer_spu or spu:.3f} s/update, {basis})")
-
-
-def _pair(text: str | None, flag: str) -> tuple[float, float]:
-    from .errors import ImgloraError
-
-    if not text:
-        return 0.0, 0.0
-    try:
-        a, b = (float(x) for x in text.split(":"))
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected two numbers as A:B, e.g. 100:0.10", param_hint=flag) from None
-    if not all(math.isfinite(x) and x >= 0 for x in (a, b)):
-        raise click.BadParameter(f"{text!r}: both numbers must be finite and not negative", param_hint=flag)
-    return a, b
-
-
-def _offer(text: str) -> tuple[str, float, float | None]:
-    from .errors import ImgloraError
-
-    parts = text.rsplit(":", 2)
-    try:
-        if len(parts) == 3 and _is_number(parts[1]):
-            name, rate, spu = parts[0], float(parts[1]), float(parts[2])
-        else:
-            name, rate_text = text.rsplit(":", 1)
-            rate, spu = float(rate_text), None
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected NAME:RATE or NAME:RATE:SEC_PER_UPDATE, e.g. "
-                                 "\"RTX 4090:0.44:2.1\"", param_hint="--offer") from None
-    if not math.isfinite(rate) or rate < 0 or (spu is not None and (not math.isfinite(spu) or spu <= 0)):
-        raise click.BadParameter(f"{text!r}: the rate must be a finite number >= 0 and the seconds per update "
-                                 "a finite number > 0", param_hint="--offer")
-    return name, rate, spu
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    estimate(run_dir, bench_file, setting, steps, epochs, dataset_size, batch_size, accum, sec_per_update,
+             sec_per_micro_batch, its, its_unit, setup, cache_s, checkpoint_every, sec_per_checkpoint, eval_seconds,
+             idle_minutes, rate, currency, storage, transfer, offers)
 
 
 def _register_split_commands() -> None:
     from .cli_eval import eval_cmd
-    from .cli_llm import merge_cmd
+    from .cli_merge import merge_cmd
 
     main.add_command(eval_cmd, "eval")
     main.add_command(merge_cmd, "merge")

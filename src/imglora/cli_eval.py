@@ -1,4 +1,4 @@
-"""``imglora eval RUN_DIR``: the separate evaluation pass (see :mod:`imglora.evaluate`).
+"""``imglora eval RUN_DIR``: the separate evaluation pass (see :mod:`imglora.commands.evaluate`).
 
 cli.py registers it as ``imglora eval``.
 """
@@ -48,7 +48,7 @@ def eval_cmd(run_dir: str, which: str | int, all_checkpoints: bool, prompts_file
              strengths: list[float] | None, seed: int | None, overrides: tuple[str, ...]) -> None:
     """Evaluate a trained run in a fresh process: images per prompt and adapter strength with a
     contact sheet, held-out and training-image loss, and an eval record with its peak memory."""
-    from .evaluate import evaluate
+    from .commands.evaluate import evaluate
     from .progress import stamped
 
     evaluate(run_dir, checkpoint=which, all_checkpoints=all_checkpoints, prompts_file=prompts_file,

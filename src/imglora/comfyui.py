@@ -1,6 +1,7 @@
-"""ComfyUI: find its LoRA folder, and build a ready-to-run workflow for an exported LoRA.
+"""ComfyUI: find its LoRA folder, and write a ready-to-run workflow for an exported LoRA.
 
-The workflow is described once, as a table of nodes, and written in both formats ComfyUI reads:
+A family describes its workflow once, as a table of nodes (``Node``, built with the helpers
+below), and this module writes it in both formats ComfyUI reads:
 the API format (what ``POST /prompt`` takes) and the UI graph (what the browser loads when the
 file is dropped onto it). Both come from the same table, so they cannot drift apart.
 """
@@ -117,14 +118,6 @@ def export_folder(root: Path) -> Path:
 # Workflows
 # ---------------------------------------------------------------------------------------------
 
-# Base-model file names as ComfyUI users of each family have them (the names in the official
-# example workflows and model cards).
-SDXL_CHECKPOINT = "sd_xl_base_1.0.safetensors"
-FLUX_UNET = "flux1-dev.safetensors"
-FLUX_CLIP_L = "clip_l.safetensors"
-FLUX_T5 = "t5xxl_fp16.safetensors"
-FLUX_VAE = "ae.safetensors"
-
 UI_ONLY = None  # widget with no API input, e.g. KSampler's control_after_generate
 
 
@@ -151,11 +144,9 @@ class Sampling:
     guidance: float | None = None  # FLUX distilled guidance (FluxGuidance); None = no such node
 
 
-SDXL_SAMPLING = Sampling(1024, 1024, steps=30, cfg=7.0, sampler="euler", scheduler="normal")
-FLUX_SAMPLING = Sampling(1024, 1024, steps=20, cfg=1.0, sampler="euler", scheduler="simple", guidance=3.5)
 
 
-def _ksampler(id_: int, pos, model, positive, negative, latent, seed: int, s: Sampling) -> Node:
+def ksampler(id_: int, pos, model, positive, negative, latent, seed: int, s: Sampling) -> Node:
     return Node(id_, "KSampler", pos, links=[("model", "MODEL", model), ("positive", "CONDITIONING", positive),
                                              ("negative", "CONDITIONING", negative),
                                              ("latent_image", "LATENT", latent)],
@@ -164,68 +155,9 @@ def _ksampler(id_: int, pos, model, positive, negative, latent, seed: int, s: Sa
                 outputs=["LATENT"], size=(315, 262))
 
 
-def _text(id_: int, pos, clip, text: str) -> Node:
+def text_node(id_: int, pos, clip, text: str) -> Node:
     return Node(id_, "CLIPTextEncode", pos, links=[("clip", "CLIP", clip)], widgets=[("text", text)],
                 outputs=["CONDITIONING"], size=(400, 160))
-
-
-def sdxl_nodes(lora_name: str, prompt: str, negative: str, seed: int, prefix: str) -> list[Node]:
-    s = SDXL_SAMPLING
-    return [
-        Node(1, "CheckpointLoaderSimple", (0, 200), widgets=[("ckpt_name", SDXL_CHECKPOINT)],
-             outputs=["MODEL", "CLIP", "VAE"]),
-        Node(2, "LoraLoader", (350, 200), links=[("model", "MODEL", (1, 0)), ("clip", "CLIP", (1, 1))],
-             widgets=[("lora_name", lora_name), ("strength_model", 1.0), ("strength_clip", 1.0)],
-             outputs=["MODEL", "CLIP"], size=(315, 130)),
-        _text(3, (700, 100), (2, 1), prompt),
-        _text(4, (700, 300), (2, 1), negative),
-        Node(5, "EmptyLatentImage", (700, 500), widgets=[("width", s.width), ("height", s.height),
-                                                         ("batch_size", 1)], outputs=["LATENT"]),
-        _ksampler(6, (1150, 200), (2, 0), (3, 0), (4, 0), (5, 0), seed, s),
-        Node(7, "VAEDecode", (1500, 200), links=[("samples", "LATENT", (6, 0)), ("vae", "VAE", (1, 2))],
-             outputs=["IMAGE"], size=(210, 46)),
-        Node(8, "SaveImage", (1750, 200), links=[("images", "IMAGE", (7, 0))],
-             widgets=[("filename_prefix", prefix)], size=(315, 270)),
-    ]
-
-
-def flux_nodes(lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
-               with_clip: bool = False) -> list[Node]:
-    """FLUX.1-dev as split files. The LoRA patches only the model (LoraLoaderModelOnly) unless it
-    also holds CLIP-L weights. At cfg 1 the negative is never evaluated, but KSampler needs one."""
-    s = FLUX_SAMPLING
-    if with_clip:
-        lora = Node(4, "LoraLoader", (350, 100), links=[("model", "MODEL", (1, 0)), ("clip", "CLIP", (2, 0))],
-                    widgets=[("lora_name", lora_name), ("strength_model", 1.0), ("strength_clip", 1.0)],
-                    outputs=["MODEL", "CLIP"], size=(315, 130))
-        clip = (4, 1)
-    else:
-        lora = Node(4, "LoraLoaderModelOnly", (350, 100), links=[("model", "MODEL", (1, 0))],
-                    widgets=[("lora_name", lora_name), ("strength_model", 1.0)], outputs=["MODEL"])
-        clip = (2, 0)
-    return [
-        Node(1, "UNETLoader", (0, 100), widgets=[("unet_name", FLUX_UNET), ("weight_dtype", "default")],
-             outputs=["MODEL"]),
-        Node(2, "DualCLIPLoader", (0, 300),
-             widgets=[("clip_name1", FLUX_CLIP_L), ("clip_name2", FLUX_T5), ("type", "flux"),
-                      # optional input newer ComfyUI shows as a widget; left out of the API prompt
-                      # so that older servers accept it too
-                      (UI_ONLY, "default")],
-             outputs=["CLIP"], size=(315, 130)),
-        Node(3, "VAELoader", (0, 500), widgets=[("vae_name", FLUX_VAE)], outputs=["VAE"]),
-        lora,
-        _text(5, (700, 100), clip, prompt),
-        Node(6, "FluxGuidance", (1150, 100), links=[("conditioning", "CONDITIONING", (5, 0))],
-             widgets=[("guidance", s.guidance)], outputs=["CONDITIONING"]),
-        _text(7, (700, 320), clip, negative),
-        Node(8, "EmptySD3LatentImage", (700, 540), widgets=[("width", s.width), ("height", s.height),
-                                                            ("batch_size", 1)], outputs=["LATENT"]),
-        _ksampler(9, (1500, 200), (4, 0), (6, 0), (7, 0), (8, 0), seed, s),
-        Node(10, "VAEDecode", (1850, 200), links=[("samples", "LATENT", (9, 0)), ("vae", "VAE", (3, 0))],
-             outputs=["IMAGE"], size=(210, 46)),
-        Node(11, "SaveImage", (2100, 200), links=[("images", "IMAGE", (10, 0))],
-             widgets=[("filename_prefix", prefix)], size=(315, 270)),
-    ]
 
 
 def to_api(nodes: list[Node]) -> dict[str, Any]:
@@ -265,15 +197,3 @@ def to_ui(nodes: list[Node]) -> dict[str, Any]:
     return {"last_node_id": max(n.id for n in nodes), "last_link_id": len(links), "nodes": ui_nodes,
             "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 1, "offset": [0, 0]}},
             "version": 0.4}
-
-
-def workflows(family: str, lora_name: str, prompt: str, *, negative: str = "", seed: int = 0,
-              prefix: str = "imglora", with_clip: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(API prompt, UI graph) of base model -> LoRA at strength 1.0 -> prompt -> KSampler -> SaveImage."""
-    if family == "sdxl":
-        nodes = sdxl_nodes(lora_name, prompt, negative, seed, prefix)
-    elif family == "flux":
-        nodes = flux_nodes(lora_name, prompt, negative, seed, prefix, with_clip=with_clip)
-    else:
-        raise ImgloraError(f"no ComfyUI workflow for the {family!r} family (sdxl and flux have one)")
-    return to_api(nodes), to_ui(nodes)

@@ -1,18 +1,14 @@
 """Export a trained adapter as a LoRA that ComfyUI's stock loaders map completely.
 
-Key forms (checked against ComfyUI's comfy/lora.py and diffusers' lora_conversion_utils.py):
-
-- SDXL: kohya form with diffusers module paths, ``lora_unet_<path, dots as underscores>.lora_down.weight``
-  / ``.lora_up.weight`` / ``.alpha``. ComfyUI maps every UNet Linear/Conv2d name in this form;
-  it does not map the attention layers in the peft layout the trainer saves. diffusers loads it too.
-- FLUX (default): diffusers form, ``transformer.<path>.lora_A.weight`` / ``.lora_B.weight`` plus an
-  ``.alpha`` per module. ComfyUI patches q, k and v into their slices of the fused BFL weights itself.
-- FLUX (``fmt="kohya"``): the kohya/BFL form, ``lora_unet_double_blocks_N_img_attn_qkv`` etc.,
-  with q/k/v (and the single blocks' MLP input) fused into one LoRA per BFL weight.
+The family says which key forms it offers and how its modules are named there (``Exportable``);
+this module does what is the same for every family: find the adapter to export (the final one or
+a checkpoint), read it with its exact alpha, write the file under a temporary name and rename it
+(never replacing an existing file without ``force``), the ``ss_*``/``modelspec.*`` metadata, and
+the ComfyUI workflows beside it.
 
 Every exported module satisfies ``(alpha / rank) · up @ down == trained delta``: loaders compute
-``alpha / down.shape[0]``, so alpha is written per module and fused modules get a fused alpha.
-Weights are read with safetensors only; the file is written under a temporary name and renamed.
+``alpha / down.shape[0]``, so alpha is written per module and fused modules get a fused alpha
+(``fuse``). Weights are read with safetensors only.
 """
 
 from __future__ import annotations
@@ -27,19 +23,22 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import __version__, atomic
+from . import atomic
 from . import comfyui as comfy
 from .checkpoint import list_checkpoints
+from .devices import DTYPES
 from .errors import ImgloraError
-from .lora import ADAPTER_FILE
 from .record import read_records
+from .version import __version__
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FORMATS = ("default", "kohya")
+if TYPE_CHECKING:
+    from .config import Config
+    from .family import Exportable
+
 EXPORT_SUBDIR = "export"  # in the run folder: exports without a destination, and workflow copies
 
 
@@ -72,7 +71,7 @@ class Source:
     path: Path                # adapter safetensors
     step: int | None
     label: str                # how messages name it
-    config: dict[str, Any]    # the resolved preset it was trained with
+    config: dict[str, Any]    # the resolved preset it was trained with (any schema version)
     record: dict[str, Any]    # the newest train record ({} when there is none)
 
 
@@ -81,50 +80,44 @@ class Source:
 # ---------------------------------------------------------------------------------------------
 
 
-def export(run_dir: Path, *, checkpoint: str = "latest", comfyui: Path | None = None, out: Path | None = None,
-           name: str | None = None, dtype: str | None = None, fmt: str | None = None,
+def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *, comfyui: Path | None = None,
+           out: Path | None = None, name: str | None = None, dtype: str | None = None, fmt: str | None = None,
            force: bool = False) -> ExportResult:
-    """Export a run's adapter for ComfyUI (and diffusers), with two ComfyUI workflows beside it.
+    """Export ``source`` (an adapter of ``run_dir``, trained with ``cfg``) for ComfyUI and diffusers,
+    with two ComfyUI workflows beside it.
 
-    ``checkpoint``: "latest" (the newest of the final adapter and the checkpoints), "final", or a
-    step number. Destination: ``comfyui`` (its LoRA folder), else ``out`` (a file, or a folder),
-    else the run's ``export.comfyui_dir`` setting, else ``<run_dir>/export/``. ``name``, ``dtype``
-    and ``fmt`` default to the run's ``[export]`` settings, then to run.name, "bf16", "default".
+    Destination: ``comfyui`` (its LoRA folder), else ``out`` (a file, or a folder), else the run's
+    ``export.comfyui_dir``, else ``<run_dir>/export/``. ``name``, ``dtype`` and ``fmt`` default to
+    the run's ``[export]`` settings (name: run.name).
     """
-    run_dir = Path(run_dir)
-    _refuse_other_families(run_dir)
-    source = find_source(run_dir, checkpoint)
-    cfg = source.config
-    settings = cfg.get("export", {})
-    dtype = dtype or settings.get("dtype") or "bf16"
-    fmt = fmt or settings.get("format") or "default"
+    dtype = dtype or cfg.export.dtype
+    fmt = fmt or cfg.export.format
+    if fmt == "default":
+        fmt = family.export_formats[0]
     if dtype not in DTYPES:
         raise ImgloraError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    if fmt not in FORMATS:
-        raise ImgloraError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
-    family = cfg["model"]["family"]
-    if (family, fmt) not in CONVERTERS:
-        raise ImgloraError(f"{run_dir}: export supports the sdxl and flux families, not {family!r}")
-    name = export_name(name or settings.get("name") or cfg.get("run", {}).get("name") or run_dir.name)
-    if comfyui is None and out is None and settings.get("comfyui_dir"):
-        comfyui = Path(settings["comfyui_dir"])
+    if fmt not in family.export_formats:
+        raise ImgloraError(f"--format {fmt}: the {cfg.model.family} family exports {', '.join(family.export_formats)}")
+    name = export_name(name or cfg.export.name or cfg.run.name or run_dir.name)
+    if comfyui is None and out is None and cfg.export.comfyui_dir:
+        comfyui = Path(cfg.export.comfyui_dir)
     dest = destination(run_dir, name, comfyui, out)
     if dest.exists() and not force:  # checked before any work; checked again, atomically, on rename
         raise _exists_error(dest)
 
     modules = read_adapter(source.path, cfg)
     tensors = {k: v.to(DTYPES[dtype]) if k.endswith(".weight") else v
-               for k, v in CONVERTERS[(family, fmt)](modules).items()}
-    metadata = build_metadata(source, name, family, fmt, modules)
+               for k, v in family.export_tensors(modules, fmt).items()}
+    metadata = build_metadata(source, cfg, family, name, fmt, modules)
     blob = serialize(tensors, metadata)
     write_new(dest, blob, force)
 
     stem = dest.name[: -len(".safetensors")]
     with_clip = any(not k.startswith(("unet.", "transformer.")) for k in modules)
-    api, ui = comfy.workflows(family, dest.name, evaluation_prompt(cfg), seed=int(cfg.get("eval", {}).get("seed", 0)),
-                                prefix=f"imglora/{stem}", with_clip=family == "flux" and with_clip)
+    nodes = family.comfyui_nodes(dest.name, evaluation_prompt(cfg), "", cfg.eval.seed, f"imglora/{stem}", with_clip)
+    api, ui = comfy.to_api(nodes), comfy.to_ui(nodes)
     paths = write_workflows(stem, api, ui, [dest.parent, run_dir / EXPORT_SUBDIR])
-    _record(run_dir, source, dest, fmt, dtype, len(tensors), blob)
+    _record(run_dir, source, cfg, dest, fmt, dtype, len(tensors), blob)
     return ExportResult(dest, len(tensors), fmt, paths[0], paths[1], metadata, source.path, source.step)
 
 
@@ -133,12 +126,12 @@ def export(run_dir: Path, *, checkpoint: str = "latest", comfyui: Path | None = 
 # ---------------------------------------------------------------------------------------------
 
 
-def find_source(run_dir: Path, which: str = "latest") -> Source:
+def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytorch_lora_weights.safetensors") -> Source:
     """The adapter to export: the final one, the newest checkpoint, or the checkpoint of a step."""
     if not run_dir.is_dir():
         raise ImgloraError(f"{run_dir}: no such run folder; give the folder `imglora train` wrote (runs/<name>)")
-    final = run_dir / "adapter" / ADAPTER_FILE
-    ckpts = [(step, path) for step, path in list_checkpoints(run_dir) if (path / "adapter" / ADAPTER_FILE).is_file()]
+    final = run_dir / "adapter" / adapter_file
+    ckpts = [(step, path) for step, path in list_checkpoints(run_dir) if (path / "adapter" / adapter_file).is_file()]
     records = read_records(run_dir, "train")
     record = records[-1] if records else {}
     finished = [r for r in records if r.get("adapter")]
@@ -153,11 +146,11 @@ def find_source(run_dir: Path, which: str = "latest") -> Source:
         elif ckpts:
             which = str(ckpts[-1][0])
         else:
-            raise ImgloraError(f"{run_dir} holds no adapter (adapter/{ADAPTER_FILE}) and no checkpoint: is it a "
+            raise ImgloraError(f"{run_dir} holds no adapter (adapter/{adapter_file}) and no checkpoint: is it a "
                                "run folder of `imglora train`, and did training save anything yet?")
     if which == "final":
         if not final.is_file():
-            raise ImgloraError(f"{run_dir} has no final adapter (adapter/{ADAPTER_FILE}); the run did not finish. "
+            raise ImgloraError(f"{run_dir} has no final adapter (adapter/{adapter_file}); the run did not finish. "
                                f"Export a checkpoint with --checkpoint STEP (available: {available}).")
         if not record:
             raise ImgloraError(f"{run_dir}/records holds no train record, so the run's settings (family, rank, "
@@ -170,21 +163,8 @@ def find_source(run_dir: Path, which: str = "latest") -> Source:
     for s, path in ckpts:
         if s == step:
             state = json.loads((path / "state.json").read_text())
-            return Source(path / "adapter" / ADAPTER_FILE, step, f"checkpoint step {step}", state["config"], record)
+            return Source(path / "adapter" / adapter_file, step, f"checkpoint step {step}", state["config"], record)
     raise ImgloraError(f"{run_dir} has no checkpoint for step {step}; available steps: {available}")
-
-
-def _refuse_other_families(run_dir: Path) -> None:
-    """An LLM run holds a PEFT adapter, not an image LoRA: say what to use instead of "no adapter"."""
-    records = read_records(run_dir, "train") if run_dir.is_dir() else []
-    ckpts = list_checkpoints(run_dir) if run_dir.is_dir() else []
-    cfg = records[-1]["config"] if records else (
-        json.loads((ckpts[-1][1] / "state.json").read_text())["config"] if ckpts else None)
-    family = (cfg or {}).get("model", {}).get("family")
-    if family and family not in FAMILY_META:
-        raise ImgloraError(f"{run_dir} trained a {family} model; export writes image-model LoRAs for ComfyUI. For an "
-                           f"LLM adapter use the PEFT folder {run_dir / 'adapter'} as it is (PeftModel.from_pretrained, "
-                           f"vllm serve --enable-lora), or `imglora merge {run_dir} --out DIR` for a merged model")
 
 
 _BAD_NAME = re.compile(r'[<>:"/\\|?*\x00-\x1f]')
@@ -226,7 +206,7 @@ def _exists_error(dest: Path) -> ImgloraError:
 _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
-def read_adapter(path: Path, config: dict[str, Any]) -> dict[str, LoraModule]:
+def read_adapter(path: Path, cfg: "Config") -> dict[str, LoraModule]:
     """``{"<component>.<module path>": LoraModule}`` from a diffusers-layout adapter file.
 
     alpha comes from the file's own ``lora_adapter_metadata`` (the peft config saved with those
@@ -257,20 +237,17 @@ def read_adapter(path: Path, config: dict[str, Any]) -> dict[str, LoraModule]:
         if up.shape[1] != down.shape[0]:
             raise ImgloraError(f"{path}: {module}: lora_B {tuple(up.shape)} does not fit lora_A {tuple(down.shape)}")
         component = module.split(".", 1)[0]
-        modules[module] = LoraModule(down, up, module_alpha(peft_meta, component, config, down.shape[0], path))
+        modules[module] = LoraModule(down, up, module_alpha(peft_meta, component, cfg, down.shape[0], path))
     if not modules:
         raise ImgloraError(f"{path} holds no LoRA weights")
     return modules
 
 
-def module_alpha(meta: dict[str, Any], component: str, config: dict[str, Any], rank: int, path: Path) -> float:
+def module_alpha(meta: dict[str, Any], component: str, cfg: "Config", rank: int, path: Path) -> float:
     """The alpha that makes ``alpha / rank`` equal peft's scaling for this module."""
     peft = {k[len(component) + 1:]: v for k, v in meta.items() if k.startswith(f"{component}.")}
     if peft.get("lora_alpha") is None:
-        lora_cfg = config.get("lora", {})
-        if "alpha" not in lora_cfg:
-            raise ImgloraError(f"{path}: no LoRA alpha in the file or in the run's settings")
-        alpha, r = float(lora_cfg["alpha"] or lora_cfg["rank"]), int(lora_cfg["rank"])
+        alpha, r = float(cfg.lora.alpha or cfg.lora.rank), int(cfg.lora.rank)
     else:
         alpha, r = float(peft["lora_alpha"]), int(peft["r"])
         if peft.get("rank_pattern") or peft.get("alpha_pattern"):
@@ -285,116 +262,31 @@ def module_alpha(meta: dict[str, Any], component: str, config: dict[str, Any], r
 
 
 # ---------------------------------------------------------------------------------------------
-# Key forms
+# Building blocks of the families' key forms
 # ---------------------------------------------------------------------------------------------
 
-KOHYA_PREFIX = {  # (family, component) -> kohya prefix; ComfyUI maps lora_te3_ to FLUX's T5
-    ("sdxl", "unet"): "lora_unet", ("sdxl", "text_encoder"): "lora_te1", ("sdxl", "text_encoder_2"): "lora_te2",
-    ("flux", "text_encoder"): "lora_te1", ("flux", "text_encoder_2"): "lora_te3",
-}
 
-
-def kohya_name(family: str, module: str) -> str:
-    """``unet.down_blocks.1.x.to_q`` -> ``lora_unet_down_blocks_1_x_to_q`` (text encoders: lora_te1_/te2_)."""
-    component, path = module.split(".", 1)
-    prefix = KOHYA_PREFIX.get((family, component))
-    if prefix is None:
-        raise ImgloraError(f"no kohya name for {family} component {component!r}")
-    return f"{prefix}_{path.replace('.', '_')}"
-
-
-def _alpha(value: float) -> torch.Tensor:
+def alpha_tensor(value: float) -> torch.Tensor:
     # A 0-dim float32, as kohya writes it: ComfyUI calls .item(), diffusers' FLUX loader needs a float tensor.
     return torch.tensor(float(value), dtype=torch.float32)
 
 
-def _kohya_tensors(name: str, m: LoraModule) -> dict[str, torch.Tensor]:
-    return {f"{name}.lora_down.weight": m.down, f"{name}.lora_up.weight": m.up, f"{name}.alpha": _alpha(m.alpha)}
+def kohya_tensors(name: str, m: LoraModule) -> dict[str, torch.Tensor]:
+    """``<name>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``: the kohya form ComfyUI reads."""
+    return {f"{name}.lora_down.weight": m.down, f"{name}.lora_up.weight": m.up, f"{name}.alpha": alpha_tensor(m.alpha)}
 
 
-def _unique(out: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+def kohya_name(prefix: str, path: str) -> str:
+    """``(lora_unet, down_blocks.1.x.to_q)`` -> ``lora_unet_down_blocks_1_x_to_q``."""
+    return f"{prefix}_{path.replace('.', '_')}"
+
+
+def add_unique(out: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     # Dots become underscores, so two odd module paths could collide; never let one overwrite another.
     clash = out.keys() & new.keys()
     if clash:
         raise ImgloraError(f"two modules map to the same exported name {sorted(clash)[0]!r}")
     out.update(new)
-
-
-def sdxl_tensors(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for module, m in modules.items():
-        _unique(out, _kohya_tensors(kohya_name("sdxl", module), m))
-    return out
-
-
-def flux_tensors(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for module, m in modules.items():
-        if not module.startswith(("transformer.", "text_encoder.")):
-            raise ImgloraError(f"{module}: the FLUX default form has no mapping for this component; "
-                               "use --format kohya (T5 weights map as lora_te3_)")
-        out.update({f"{module}.lora_A.weight": m.down, f"{module}.lora_B.weight": m.up,
-                    f"{module}.alpha": _alpha(m.alpha)})
-    return out
-
-
-# diffusers FLUX module -> BFL module (ComfyUI's flux_to_diffusers, read backwards).
-_FLUX_DOUBLE = {
-    "attn.to_q": "img_attn.qkv", "attn.to_k": "img_attn.qkv", "attn.to_v": "img_attn.qkv",
-    "attn.add_q_proj": "txt_attn.qkv", "attn.add_k_proj": "txt_attn.qkv", "attn.add_v_proj": "txt_attn.qkv",
-    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
-    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
-    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
-    "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
-}
-_FLUX_SINGLE = {
-    "attn.to_q": "linear1", "attn.to_k": "linear1", "attn.to_v": "linear1", "proj_mlp": "linear1",
-    "proj_out": "linear2", "norm.linear": "modulation.lin",
-}
-_FLUX_GLOBAL = {
-    "x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
-    "norm_out.linear": "final_layer.adaLN_modulation.1",
-    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-}
-# Fused BFL weights: their diffusers parts in output-row order, each part's rows in units of the
-# hidden size (q, k, v: 1; the single blocks' MLP input: mlp_ratio 4).
-FLUX_FUSED = {
-    "img_attn.qkv": (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1)),
-    "txt_attn.qkv": (("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1)),
-    "linear1": (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", 4)),
-}
-# diffusers' AdaLayerNormContinuous chunks (scale, shift); BFL's LastLayer chunks (shift, scale).
-FLUX_SWAP_HALVES = {"final_layer.adaLN_modulation.1"}
-_FLUX_BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
-
-
-def flux_bfl_module(path: str) -> str:
-    """``transformer_blocks.3.attn.to_k`` -> ``double_blocks.3.img_attn.qkv`` (paths without ``transformer.``)."""
-    m = _FLUX_BLOCK.match(path)
-    if m:
-        kind, n, rest = m.groups()
-        double = kind == "transformer_blocks"
-        table, bfl = (_FLUX_DOUBLE, "double_blocks") if double else (_FLUX_SINGLE, "single_blocks")
-        if rest in table:
-            return f"{bfl}.{n}.{table[rest]}"
-    elif path in _FLUX_GLOBAL:
-        return _FLUX_GLOBAL[path]
-    raise ImgloraError(f"transformer.{path}: no FLUX.1 (BFL) weight corresponds to this module; "
-                       "export it with the default format")
-
-
-def flux_fused_parts(bfl: str) -> tuple[tuple[str, int], ...] | None:
-    """For a fused BFL module, ``(diffusers path, rows in hidden-size units)`` of its parts; else None."""
-    m = re.match(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$", bfl)
-    if not m or m[3] not in FLUX_FUSED:
-        return None
-    prefix = f"{'transformer_blocks' if m[1] == 'double_blocks' else 'single_transformer_blocks'}.{m[2]}."
-    return tuple((prefix + part, mult) for part, mult in FLUX_FUSED[m[3]])
 
 
 def fuse(parts: list[LoraModule | None], rows: list[int]) -> LoraModule:
@@ -421,55 +313,9 @@ def fuse(parts: list[LoraModule | None], rows: list[int]) -> LoraModule:
     return LoraModule(down, up, float(ref * fused_rank))
 
 
-def flux_kohya_tensors(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    by_target: dict[str, dict[str, LoraModule]] = {}
-    for module, m in modules.items():
-        component, path = module.split(".", 1)
-        if component != "transformer":
-            _unique(out, _kohya_tensors(kohya_name("flux", module), m))
-            continue
-        by_target.setdefault(flux_bfl_module(path), {})[path] = m
-    for bfl, trained in sorted(by_target.items()):
-        parts = flux_fused_parts(bfl)
-        if parts is None:
-            (m,) = trained.values()
-            if bfl in FLUX_SWAP_HALVES:
-                scale, shift = m.up.chunk(2, dim=0)
-                m = LoraModule(m.down, torch.cat([shift, scale], dim=0), m.alpha)
-        else:
-            hidden = next(iter(trained.values())).down.shape[1]  # every part reads the hidden state
-            rows = [mult * hidden for _, mult in parts]
-            for (path, _), n_rows in zip(parts, rows):
-                if path in trained and trained[path].up.shape[0] != n_rows:
-                    raise ImgloraError(f"transformer.{path} has {trained[path].up.shape[0]} outputs, a FLUX.1 "
-                                       f"{bfl} slice has {n_rows}; use the default format for this model")
-            m = fuse([trained.get(path) for path, _ in parts], rows)
-        _unique(out, _kohya_tensors(f"lora_unet_{bfl.replace('.', '_')}", m))
-    return out
-
-
-CONVERTERS: dict[tuple[str, str], Callable[[dict[str, LoraModule]], dict[str, torch.Tensor]]] = {
-    ("sdxl", "default"): sdxl_tensors,
-    ("sdxl", "kohya"): sdxl_tensors,  # SDXL's default already is the kohya form
-    ("flux", "default"): flux_tensors,
-    ("flux", "kohya"): flux_kohya_tensors,
-}
-
-
 # ---------------------------------------------------------------------------------------------
 # Metadata
 # ---------------------------------------------------------------------------------------------
-
-FAMILY_META = {
-    "sdxl": {"ss_network_module": "networks.lora", "ss_base_model_version": "sdxl_base_v1-0",
-             "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
-             "modelspec.implementation": "https://github.com/Stability-AI/generative-models"},
-    "flux": {"ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1",
-             "modelspec.architecture": "flux-1-dev/lora",
-             "modelspec.implementation": "https://github.com/black-forest-labs/flux"},
-}
-
 
 def _unix(iso: str | None) -> float | None:
     try:
@@ -478,79 +324,68 @@ def _unix(iso: str | None) -> float | None:
         return None
 
 
-def build_metadata(source: Source, name: str, family: str, fmt: str,
+def build_metadata(source: Source, cfg: "Config", family: "Exportable", name: str, fmt: str,
                    modules: dict[str, LoraModule]) -> dict[str, str]:
-    """kohya ``ss_*`` and ``modelspec.*`` keys (all strings, as kohya writes them) plus ``imglora.*``.
+    """kohya ``ss_*`` and ``modelspec.*`` keys (all strings, as kohya writes them) plus ``imglora.*``;
+    the family adds its own (architecture, base model version, its training settings).
 
     A1111/Forge and ComfyUI model managers read ``ss_*`` and ``modelspec.*``; loaders ignore them.
     """
-    cfg, rec = source.config, source.record
-
-    def c(section: str, key: str) -> Any:
-        return cfg.get(section, {}).get(key)
-
-    res, trigger = c("data", "resolution"), (c("data", "trigger_word") or "").strip()
+    rec = source.record
+    res, trigger = cfg.data.resolution, cfg.data.trigger_word.strip()
     ranks = sorted({m.rank for m in modules.values()})
-    alpha = c("lora", "alpha") or next(iter(modules.values())).alpha
+    alpha = cfg.lora.alpha or next(iter(modules.values())).alpha
     produced = datetime.fromtimestamp(int(source.path.stat().st_mtime))  # when these weights were written
     checksums = rec.get("model_checksums") or {}
+    t = cfg.train
     meta: dict[str, Any] = {
-        **FAMILY_META[family],
         "ss_output_name": name,
-        "ss_network_dim": c("lora", "rank") or ranks[-1],
+        "ss_network_dim": cfg.lora.rank or ranks[-1],
         "ss_network_alpha": float(alpha),
-        "ss_network_dropout": c("lora", "dropout"),
+        "ss_network_dropout": cfg.lora.dropout,
         "ss_network_args": "{}",
         "ss_v2": False,
         "ss_resolution": f"({res}, {res})" if res else None,
         "ss_steps": source.step,
-        "ss_max_train_steps": rec.get("total_updates") or c("train", "max_steps") or None,
-        "ss_learning_rate": c("train", "learning_rate"),
-        "ss_unet_lr": c("train", "learning_rate"),
-        "ss_lr_scheduler": c("train", "scheduler"),
-        "ss_lr_warmup_steps": c("train", "warmup_steps"),
-        "ss_optimizer": c("train", "optimizer"),
-        "ss_seed": c("train", "seed"),
-        "ss_batch_size_per_device": c("train", "batch_size"),
-        "ss_gradient_accumulation_steps": c("train", "grad_accum"),
-        "ss_max_grad_norm": c("train", "max_grad_norm"),
-        "ss_mixed_precision": c("train", "mixed_precision"),
-        "ss_gradient_checkpointing": c("memory", "gradient_checkpointing"),
+        "ss_max_train_steps": rec.get("total_updates") or t.max_steps or None,
+        "ss_learning_rate": t.learning_rate,
+        "ss_unet_lr": t.learning_rate,
+        "ss_lr_scheduler": t.scheduler,
+        "ss_lr_warmup_steps": t.warmup_steps,
+        "ss_optimizer": t.optimizer,
+        "ss_seed": t.seed,
+        "ss_batch_size_per_device": t.batch_size,
+        "ss_gradient_accumulation_steps": t.grad_accum,
+        "ss_max_grad_norm": t.max_grad_norm,
+        "ss_mixed_precision": t.mixed_precision,
+        "ss_gradient_checkpointing": cfg.memory.gradient_checkpointing,
         "ss_num_train_images": rec.get("dataset_items"),
         "ss_training_started_at": _unix(rec.get("started")),
         "ss_training_finished_at": _unix(rec.get("finished")),
-        "ss_sd_model_name": c("model", "path"),
+        "ss_sd_model_name": cfg.model.path,
         "ss_training_comment": f"trained with imglora {__version__}",
         "modelspec.sai_model_spec": "1.0.1",
         "modelspec.title": name,
         "modelspec.date": produced.isoformat(),
         "modelspec.resolution": f"{res}x{res}" if res else None,
         "modelspec.trigger_phrase": trigger or None,
-        "modelspec.description": f"LoRA for {c('model', 'path')}, rank {ranks[-1]}, alpha {float(alpha):g}; "
+        "modelspec.description": f"LoRA for {cfg.model.path}, rank {ranks[-1]}, alpha {float(alpha):g}; "
                                  f"{source.label}, exported by imglora {__version__}",
         "imglora.version": __version__,
         "imglora.format": fmt,
-        "imglora.run": cfg.get("run", {}).get("name"),
+        "imglora.run": cfg.run.name,
         "imglora.source": source.label,
-        "imglora.base_model": c("model", "path"),
+        "imglora.base_model": cfg.model.path,
         "imglora.base_model_checksums": json.dumps(checksums, sort_keys=True, separators=(",", ":"))
                                         if checksums else None,
         "imglora.base_model_hash": _summary_hash(checksums),
         "imglora.dataset_version": rec.get("dataset_version"),
+        **family.export_metadata(cfg, rec),
     }
     if trigger:
         # kohya counts caption tags per dataset folder; imglora records the tag it prepended to every caption.
-        folder = Path(c("data", "dir") or "dataset").name
+        folder = Path(cfg.data.dir or "dataset").name
         meta["ss_tag_frequency"] = json.dumps({folder: {trigger: rec.get("dataset_items") or 1}})
-    if family == "sdxl":
-        meta["ss_noise_offset"] = c("train", "noise_offset")
-        meta["ss_min_snr_gamma"] = c("train", "min_snr_gamma")
-        meta["modelspec.prediction_type"] = _prediction_type(rec.get("model_dir"))
-    else:
-        meta["ss_timestep_sampling"] = c("train", "timestep_sampling")
-        meta["ss_discrete_flow_shift"] = c("train", "discrete_flow_shift")
-        meta["ss_sigmoid_scale"] = c("train", "sigmoid_scale")
-        meta["ss_guidance_scale"] = c("train", "guidance")
     return {k: str(v) for k, v in meta.items() if v is not None}
 
 
@@ -559,16 +394,6 @@ def _summary_hash(checksums: dict[str, str]) -> str | None:
     if not checksums:
         return None
     return hashlib.sha256("".join(f"{k}={v}\n" for k, v in sorted(checksums.items())).encode()).hexdigest()
-
-
-def _prediction_type(model_dir: str | None) -> str:
-    if not model_dir:
-        return "epsilon"
-    try:
-        sched = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
-    except (OSError, ValueError):
-        return "epsilon"  # SDXL base 1.0
-    return "v" if sched.get("prediction_type") == "v_prediction" else "epsilon"
 
 
 def addnet_hashes(blob: bytes) -> tuple[str, str]:
@@ -638,20 +463,20 @@ def write_workflows(stem: str, api: dict[str, Any], ui: dict[str, Any], folders:
     return written[0]
 
 
-def evaluation_prompt(cfg: dict[str, Any]) -> str:
+def evaluation_prompt(cfg: "Config") -> str:
     """The run's first evaluation prompt, with the trigger word in it."""
-    trigger = (cfg.get("data", {}).get("trigger_word") or "").strip()
-    prompts = cfg.get("eval", {}).get("prompts") or []
-    prompt = prompts[0].strip() if prompts else (f"a photo of {trigger}" if trigger else "a photo")
+    trigger = cfg.data.trigger_word.strip()
+    prompt = cfg.eval.prompts[0].strip() if cfg.eval.prompts else (f"a photo of {trigger}" if trigger else "a photo")
     if trigger and trigger.lower() not in prompt.lower():
         prompt = f"{trigger}, {prompt}"
     return prompt
 
 
-def _record(run_dir: Path, source: Source, dest: Path, fmt: str, dtype: str, n_tensors: int, blob: bytes) -> None:
+def _record(run_dir: Path, source: Source, cfg: "Config", dest: Path, fmt: str, dtype: str, n_tensors: int,
+            blob: bytes) -> None:
     from .record import RunRecord
 
-    rec = RunRecord("export", run_dir, source.config)
+    rec = RunRecord("export", run_dir, cfg.to_dict())
     rec.set(source=str(source.path), step=source.step, destination=str(dest), format=fmt, dtype=dtype,
             n_tensors=n_tensors, sha256=hashlib.sha256(blob).hexdigest(),
             exported_at=datetime.now(timezone.utc).isoformat())

@@ -1,26 +1,23 @@
-"""LoRA adapters through peft: injection, the adapter state dict, and saving it where diffusers finds it."""
+"""LoRA adapters through peft: injection, the adapter state dict, and adapter strength."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     from .config import LoraConfig as LoraSettings
-    from .families import Family
-
-ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' load_lora_weights looks for
+    from .family import Family
 
 
 def target_pattern(family: "Family", targets: list[str]) -> str | list[str]:
-    """peft ``target_modules``: the family's scope (e.g. FLUX's block lists) limits the suffixes.
-
-    Without a scope a suffix such as ``proj_out`` would also match FLUX's final projection.
-    """
+    """peft ``target_modules``: the family's scope (e.g. its block lists) limits the suffixes, so a
+    suffix such as ``proj_out`` cannot also match a final projection of the same name."""
     names = list(targets) or list(family.lora_targets)
     if not family.lora_scope:
         return names
@@ -47,8 +44,6 @@ def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: i
         model.add_adapter(config)
     n = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A.default"))
     if n == 0:
-        from .errors import ConfigError
-
         raise ConfigError([f"lora.targets = {list(settings.targets) or list(family.lora_targets)} matched no "
                            f"module of the {family.name} model; check the names (see the family's defaults)"])
     return config
@@ -74,25 +69,15 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
         raise ValueError(f"adapter has keys the model lacks: {unexpected[:5]}")
 
 
-def save_for_diffusers(family: "Family", model: nn.Module, config: Any, folder: Path) -> Path:
-    """Write ``folder/pytorch_lora_weights.safetensors`` as ``<Pipeline>.load_lora_weights`` reads it.
+def set_strength(model: nn.Module, strength: float) -> None:
+    """Scale every LoRA layer's update by ``strength``; 0 disables the adapter, so each layer runs
+    its base layer alone and the output is the base model's exactly."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    Keys are ``<unet|transformer>.<module>.lora_A.weight``; the LoRA config (rank and alpha) goes
-    into the header so diffusers applies alpha / rank exactly, also when alpha differs from rank.
-    """
-    import diffusers
-
-    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
-    pipeline = getattr(diffusers, family.pipeline)
-    pipeline.save_lora_weights(folder, **{f"{family.denoiser}_lora_layers": adapter_state_dict(model),
-                                          f"{family.denoiser}_lora_adapter_metadata": meta})
-    return folder / ADAPTER_FILE
-
-
-def read_diffusers_adapter(family: "Family", folder: Path) -> dict[str, torch.Tensor]:
-    """The LoRA state (keys without the ``unet.``/``transformer.`` prefix) of a saved adapter."""
-    from safetensors.torch import load_file
-
-    prefix = f"{family.denoiser}."
-    weights = load_file(str(Path(folder) / ADAPTER_FILE))
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.enable_adapters(strength != 0)
+        if isinstance(m, LoraLayer) and strength != 0:
+            for name in list(m.scaling):
+                m.set_scale(name, strength)

@@ -1,7 +1,7 @@
 """Resolve ``model.path`` to a model folder on this machine, without ever touching the network.
 
 Accepted forms:
-- ``tiny:sdxl`` / ``tiny:flux`` / ``tiny:llm``: a tiny random model imglora builds on first use;
+- ``tiny:<family>``: a tiny random model imglora builds on first use;
 - a local folder in diffusers format (``model_index.json``) or transformers format (``config.json``);
 - a hub id such as ``black-forest-labs/FLUX.1-dev``, looked up only in the local Hugging Face cache.
 """
@@ -9,34 +9,35 @@ Accepted forms:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from . import tiny
 from .errors import ModelSourceError
 
-FORMAT_FILE = {"sdxl": "model_index.json", "flux": "model_index.json", "llm": "config.json"}
+if TYPE_CHECKING:
+    from .family import Family
 
 
-def resolve_model(path: str, family: str) -> Path:
+def resolve_model(path: str, family: "Family") -> Path:
     if path.startswith("tiny:"):
-        from . import tiny
-
         kind = path.removeprefix("tiny:")
-        if kind != family:
+        if kind != family.name:
             raise ModelSourceError(f"model.path = {path!r} is a tiny {kind} model, but model.family = "
-                                   f"{family!r}; use tiny:{family}")
-        return tiny.ensure_tiny(kind)
+                                   f"{family.name!r}; use tiny:{family.name}")
+        return tiny.ensure_tiny(family)
     local = Path(path).expanduser()
     if local.is_dir():
         return _check_folder(local, family, path)
     if local.exists():
         raise ModelSourceError(f"model.path = {path!r} is a file; give the model's folder "
-                               f"(with {FORMAT_FILE[family]}) or a hub id")
-    if _looks_like_hub_id(path):
+                               f"(with {family.model_marker}) or a hub id")
+    if looks_like_hub_id(path):
         return _check_folder(_from_hf_cache(path), family, path)
     raise ModelSourceError(f"model.path = {path!r}: no such folder, and it is not a hub id "
                            "(owner/name) either; check the path")
 
 
-def _looks_like_hub_id(path: str) -> bool:
+def looks_like_hub_id(path: str) -> bool:
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
 
@@ -52,17 +53,17 @@ def _from_hf_cache(repo_id: str) -> Path:
         cache = constants.HF_HUB_CACHE
         raise ModelSourceError(
             f"model.path = {repo_id!r} is not in the local Hugging Face cache ({cache}). imglora never "
-            f"downloads during a run; fetch it first with `hf download {repo_id}` (gated models such "
-            "as FLUX.1-dev also need `hf auth login` and the license accepted on the model page), "
+            f"downloads during a run; fetch it first with `hf download {repo_id}` (gated models "
+            "also need `hf auth login` and the license accepted on the model page), "
             "or set model.path to a local folder.") from None
     except HFValidationError as exc:
         raise ModelSourceError(f"model.path = {repo_id!r} is not a valid hub id: {exc}") from None
 
 
-def _check_folder(folder: Path, family: str, shown: str) -> Path:
-    marker = FORMAT_FILE[family]
+def _check_folder(folder: Path, family: "Family", shown: str) -> Path:
+    marker = family.model_marker
     if not (folder / marker).is_file():
-        fmt = "transformers" if family == "llm" else "diffusers"
-        raise ModelSourceError(f"model.path = {shown!r} ({folder}) has no {marker}; the {family} family "
+        fmt = "diffusers" if marker == "model_index.json" else "transformers"
+        raise ModelSourceError(f"model.path = {shown!r} ({folder}) has no {marker}; the {family.name} family "
                                f"needs a {fmt}-format folder")
     return folder

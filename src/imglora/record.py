@@ -20,19 +20,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__, atomic
+from . import atomic
+from .hashing import sha256_file
+from .version import __version__
 from .tiny import imglora_home
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt")
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "optimum-quanto", "safetensors")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def cached_sha256(path: str | Path) -> str:

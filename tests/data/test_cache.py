@@ -9,7 +9,8 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from imglora import config, record
+from imglora.commands.common import load_config
+from imglora import record
 from imglora.cli import main
 from imglora.data import cache
 from imglora.families import get_family
@@ -25,9 +26,9 @@ def setup(tmp_path: Path, small_run):
     data = tmp_path / "data"
 
     def load(*extra: str):
-        cfg = config.load(PRESET, [*overrides, *extra])
+        cfg = load_config(PRESET, [*overrides, *extra])
         family = get_family(cfg.model.family)
-        return cfg, family, resolve_model(cfg.model.path, cfg.model.family)
+        return cfg, family, resolve_model(cfg.model.path, get_family(cfg.model.family))
 
     return data, overrides, load
 
@@ -80,7 +81,7 @@ def test_changing_resolution_or_model_never_reuses_latents(setup, tmp_path: Path
 
     # Another VAE (same architecture, different weights) must not reuse latents either.
     model = tmp_path / "other-model"
-    shutil.copytree(resolve_model("tiny:sdxl", "sdxl"), model)
+    shutil.copytree(resolve_model("tiny:sdxl", get_family("sdxl")), model)
     cfg_path = model / "vae" / "config.json"
     vae_cfg = json.loads(cfg_path.read_text())
     vae_cfg["scaling_factor"] = 0.2
@@ -188,10 +189,10 @@ def test_bucket_geometry_the_model_cannot_take_is_refused_before_encoding(setup)
     from imglora.errors import ConfigError
 
     _, overrides, _ = setup
-    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.bucket_step=8"])
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.bucket_step=8"])
     with pytest.raises(ConfigError, match="data.bucket_step = 8 must be a multiple of 16 for the flux family"):
         cache.scan(cfg, get_family("flux"))
-    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.buckets=false", "data.resolution=200"])
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.buckets=false", "data.resolution=200"])
     with pytest.raises(ConfigError, match="data.resolution = 200 must be a multiple of 16 with data.buckets = false"):
         cache.scan(cfg, get_family("flux"))
 

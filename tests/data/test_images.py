@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image
 
-from imglora.data.images import BadImageError, file_sha256, image_size, open_image
+from imglora.data.images import BadImageError, image_size, open_image
+from imglora.hashing import sha256_file as file_sha256
 from imglora.errors import ImgloraError
 
 RED, BLUE, WHITE = (255, 0, 0), (0, 0, 255), (255, 255, 255)

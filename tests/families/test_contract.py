@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imglora import config, lora
+from imglora.commands.common import load_config
+from imglora import lora
 from imglora.data import cache
 from imglora.families import get_family
 from imglora.models import resolve_model
-from imglora.train import train
+from imglora.commands.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["sdxl", "flux"]
@@ -27,14 +28,14 @@ def small(small_run):
 
 
 def load(family: str, overrides, *extra):
-    return config.load(REPO / "presets" / f"tiny-{family}.toml", [*overrides, *extra])
+    return load_config(REPO / "presets" / f"tiny-{family}.toml", [*overrides, *extra])
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_encode_shapes_and_loss(name: str, small) -> None:
     cfg = load(name, small)
     family = get_family(name)
-    model_dir = resolve_model(cfg.model.path, name)
+    model_dir = resolve_model(cfg.model.path, get_family(name))
     the_plan, _ = cache.fill_cache(cfg, family, model_dir, "cpu", progress=False)
     samples = cache.load_samples(cfg, family, model_dir, "cpu", the_plan)
     assert len(samples) == 2
@@ -59,8 +60,8 @@ def test_encode_shapes_and_loss(name: str, small) -> None:
 
 def test_flux_lora_targets_stay_inside_the_blocks() -> None:
     family = get_family("flux")
-    cfg = config.load(REPO / "presets" / "tiny-flux.toml")
-    trainable = family.load_trainable(resolve_model("tiny:flux", "flux"), cfg, torch.device("cpu"), torch.float32)
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml")
+    trainable = family.load_trainable(resolve_model("tiny:flux", get_family("flux")), cfg, torch.device("cpu"), torch.float32)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trainable.model.named_modules() if n.endswith(".lora_A")}
     assert "proj_out" not in adapted  # the final projection has the same name as single blocks' proj_out
@@ -76,7 +77,7 @@ def test_adapter_round_trips_through_diffusers(name: str, small) -> None:
     cfg = load(name, small, "lora.alpha=2", "memory.fp8=false", "memory.blocks_to_swap=0")
     result = train(cfg, out=lambda s: None)
     family = get_family(name)
-    model_dir = resolve_model(cfg.model.path, name)
+    model_dir = resolve_model(cfg.model.path, get_family(name))
     weights = load_file(str(result.adapter))
     assert all(k.startswith(f"{family.denoiser}.") for k in weights)
 

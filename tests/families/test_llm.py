@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imglora import config, lora
-from imglora.data.chat import IGNORE, encode, length_report, percentile, read_jsonl
+from imglora.commands.common import load_config
+from imglora import lora
+from imglora.families.llm.chat import IGNORE, encode, length_report, percentile, read_jsonl
 from imglora.errors import DataError, ImgloraError
 from imglora.families import get_family
 from imglora.families.llm import ADAPTER_FILE, LlmTrainable
@@ -30,12 +31,12 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return resolve_model("tiny:llm", "llm")
+    return resolve_model("tiny:llm", get_family("llm"))
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path):
-    from imglora.families.llm import load_tokenizer
+    from imglora.families.llm.data import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -138,7 +139,7 @@ def test_length_report_values() -> None:
 
     xs = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     assert percentile(xs, 95) == pytest.approx(np.percentile(xs, 95))
-    assert "2 of 5 conversations (40.0%)" in r.warning() and "raise data.max_seq_len to about 808" in r.warning()
+    assert "2 of 5 conversations (40.0%)" in r.warning() and "raise llm.max_seq_len to about 808" in r.warning()
     assert length_report([5, 6], 10).warning() is None
 
 
@@ -149,13 +150,13 @@ def test_prepare_data_truncates_reports_and_skips(tmp_path: Path, model_dir: Pat
         {"messages": [CONVERSATION[1], {"role": "assistant", "content": "The capital is Paris. " * 30}]},
     ]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    cfg = config.load(PRESET, [f"data.file={json.dumps(str(data))}", "data.max_seq_len=64",
-                               'eval.holdout_file=""', "eval.holdout_fraction=0.0"])
+    cfg = load_config(PRESET, [f"llm.data_file={json.dumps(str(data))}", "llm.max_seq_len=64",
+                               'llm.holdout_file=""', "llm.holdout_fraction=0.0"])
     family = get_family("llm")
     prepared = family.prepare_data(cfg, model_dir, torch.device("cpu"))
     assert len(prepared.samples) == 4 and not prepared.validation
-    assert any("2 of 5 conversations (40.0%) are longer than data.max_seq_len = 64" in w for w in prepared.warnings)
-    assert any(f"1 conversation has no assistant token within data.max_seq_len = 64; skipped: {data}:4 ("
+    assert any("2 of 5 conversations (40.0%) are longer than llm.max_seq_len = 64" in w for w in prepared.warnings)
+    assert any(f"1 conversation has no assistant token within llm.max_seq_len = 64; skipped: {data}:4 ("
                in w for w in prepared.warnings)
     assert "median" in prepared.summary and "95th percentile" in prepared.summary
     cut = prepared.samples[-1].variants[0]
@@ -170,10 +171,10 @@ def test_holdout_fraction_is_deterministic(tmp_path: Path, model_dir: Path) -> N
     rows = [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
                           {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}]} for i in range(20)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    over = [f"data.file={json.dumps(str(data))}", 'eval.holdout_file=""', "eval.holdout_fraction=0.2"]
+    over = [f"llm.data_file={json.dumps(str(data))}", 'llm.holdout_file=""', "llm.holdout_fraction=0.2"]
     family = get_family("llm")
-    a = family.prepare_data(config.load(PRESET, over), model_dir, torch.device("cpu"))
-    b = family.prepare_data(config.load(PRESET, over), model_dir, torch.device("cpu"))
+    a = family.prepare_data(load_config(PRESET, over), model_dir, torch.device("cpu"))
+    b = family.prepare_data(load_config(PRESET, over), model_dir, torch.device("cpu"))
     assert (len(a.samples), len(a.validation)) == (16, 4)
     assert [s.variants[0]["input_ids"].tolist() for s in a.validation] == \
            [s.variants[0]["input_ids"].tolist() for s in b.validation]
@@ -214,7 +215,7 @@ def test_qint4_keeps_lora_trainable_and_saves_memory(model_dir: Path) -> None:
     from imglora.memory.quant4 import quantize_4bit
 
     family = get_family("llm")
-    cfg = config.load(PRESET)
+    cfg = load_config(PRESET)
     trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
     model = trainable.model
     lora.inject(model, family, cfg.lora, seed=0)
@@ -255,10 +256,10 @@ def test_nf4_without_bitsandbytes_says_how_to_fix() -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from imglora.train import train
+    from imglora.commands.train import train
 
     out = tmp_path_factory.mktemp("runs")
-    cfg = config.load(PRESET, [f"run.output_dir={json.dumps(str(out))}", "train.max_steps=8", "eval.every=4",
+    cfg = load_config(PRESET, [f"run.output_dir={json.dumps(str(out))}", "train.max_steps=8", "eval.every=4",
                                "train.checkpoint_every=4", "train.log_every=2", "train.warmup_steps=0"])
     lines: list[str] = []
     result = train(cfg, out=lines.append)
@@ -283,7 +284,7 @@ def test_adapter_loads_in_peft_changes_logits_and_merges(run, model_dir: Path, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from imglora.merge import merge
+    from imglora.commands.merge import merge
 
     cfg, result, _ = run
     adapter = result.adapter.parent
@@ -334,7 +335,7 @@ def test_merge_cli(run, tmp_path: Path) -> None:
     import click
     from click.testing import CliRunner
 
-    from imglora.cli_llm import merge_cmd
+    from imglora.cli_merge import merge_cmd
 
     cfg, _, _ = run
     group = click.Group(commands={"merge": merge_cmd})
@@ -344,7 +345,7 @@ def test_merge_cli(run, tmp_path: Path) -> None:
 
 
 def test_eval_pass_writes_answers_with_and_without_adapter(run) -> None:
-    from imglora.evaluate import evaluate
+    from imglora.commands.evaluate import evaluate
 
     cfg, _, _ = run
     lines: list[str] = []
@@ -371,7 +372,7 @@ def test_full_architecture_and_synthetic_batch_for_benchmarks(monkeypatch) -> No
                                              "num_hidden_layers": 2, "num_attention_heads": 4,
                                              "num_key_value_heads": 2, "vocab_size": 600, "bos_token_id": 1,
                                              "eos_token_id": 2, "pad_token_id": 0})
-    cfg = config.load(PRESET, ["data.max_seq_len=32"])
+    cfg = load_config(PRESET, ["llm.max_seq_len=32"])
     family = get_family("llm")
     trainable = family.full_trainable(cfg, torch.float32)
     assert torch.isfinite(trainable.model.model.rotary_emb.inv_freq).all()
@@ -384,10 +385,10 @@ def test_full_architecture_and_synthetic_batch_for_benchmarks(monkeypatch) -> No
 
 def test_export_of_an_llm_run_says_what_to_use_instead(run) -> None:
     from imglora.errors import ImgloraError
-    from imglora.export import export
+    from imglora.commands.export import export
 
     cfg, _, _ = run
     with pytest.raises(ImgloraError) as exc:
         export(cfg.run_dir)
     msg = str(exc.value)
-    assert "export writes image-model LoRAs" in msg and "PEFT folder" in msg and f"imglora merge {cfg.run_dir}" in msg
+    assert "export writes image-model LoRAs" in msg and "a PEFT adapter folder" in msg and f"imglora merge {cfg.run_dir}" in msg

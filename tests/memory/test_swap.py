@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from imglora.memory import BlockSwapper, SwapEvent, kohya_split, quantize_fp8, swap_mask, to_device
+from imglora.families.flux.swap import kohya_split
+from imglora.memory import BlockSwapper, SwapEvent, quantize_fp8, swap_mask, to_device
 from imglora.memory import swap as swap_mod
 
 
@@ -351,12 +352,12 @@ def test_saved_weight_views_survive_slot_reuse() -> None:
 
     assert_same_training(ref, swapped_run())
 
-    orig = swap_mod._outer_saved_tensor_hooks_active
-    swap_mod._outer_saved_tensor_hooks_active = lambda: True  # as if another hook owned saving
+    orig = swap_mod.outer_saved_tensor_hooks_active
+    swap_mod.outer_saved_tensor_hooks_active = lambda: True  # as if another hook owned saving
     try:
         broken = swapped_run()
     finally:
-        swap_mod._outer_saved_tensor_hooks_active = orig
+        swap_mod.outer_saved_tensor_hooks_active = orig
     assert any(not torch.equal(a, b) for ga, gb in zip(ref[1], broken[1]) for a, b in zip(ga, gb))
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .cache import Sample
+from .samples import Sample
 
 
 @dataclass(frozen=True)

@@ -23,26 +23,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import atomic, record
-from ..errors import ImgloraError
+from .. import atomic, devices, record
+from ..hashing import sha256_file
 from ..progress import Progress
 from .buckets import fit_to_bucket
-from .dataset import DatasetItem, ScanResult, scan_dataset
-from .images import file_sha256, open_image
+from .dataset import DatasetItem, ScanResult
+from .images import open_image
+from .samples import PreparedData, Sample
+from .scan import scan, split_holdout, scan_result
+from .store import Cache, CorruptEntry
 
 if TYPE_CHECKING:
     import torch
 
     from ..config import Config
-    from ..families import Family
+    from ..family import CacheEncoder as Family
 
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2  # bump when the meaning of an entry changes; old entries are then never matched
-
-
-class CorruptEntry(ImgloraError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -87,169 +86,30 @@ def _key(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **fields}, sort_keys=True).encode()).hexdigest()
 
 
-def resolve_encoder_dtype(name: str, device: "torch.device | str") -> str:
-    if name != "auto":
-        return name
-    return "bf16" if str(device).startswith("cuda") else "fp32"
-
-
-def torch_dtype(name: str) -> "torch.dtype":
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
-class Cache:
-    """Entries under ``root/<kind>/<key[:2]>/<key>.safetensors``."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def path(self, kind: str, key: str) -> Path:
-        return self.root / kind / key[:2] / f"{key}.safetensors"
-
-    def has(self, kind: str, key: str) -> bool:
-        return self.path(kind, key).is_file()
-
-    def put(self, kind: str, key: str, tensors: dict[str, "torch.Tensor"], info: dict[str, Any] | None = None) -> None:
-        # The key inside the entry: a valid entry of another key in this file's place is caught on read.
-        meta = {"checksum": _checksum(tensors), "key": key, "kind": kind}
-        if info:
-            meta["info"] = json.dumps(info, sort_keys=True)
-        atomic.save_safetensors(self.path(kind, key), tensors, metadata=meta)
-
-    def drop(self, kind: str, key: str) -> None:
-        self.path(kind, key).unlink(missing_ok=True)
-
-    def get(self, kind: str, key: str) -> dict[str, "torch.Tensor"]:
-        from safetensors import SafetensorError, safe_open
-
-        path = self.path(kind, key)
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                meta = fh.metadata() or {}
-                tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CorruptEntry(f"cache entry {path} cannot be read ({exc}); it will be re-encoded") from None
-        if meta.get("key") != key:
-            raise CorruptEntry(f"cache entry {path} holds another entry (key {str(meta.get('key'))[:12]}..., copied or "
-                               "renamed into this place); it will be re-encoded")
-        if meta.get("checksum") != _checksum(tensors):
-            raise CorruptEntry(f"cache entry {path} does not match its checksum; it will be re-encoded")
-        return tensors
-
-    def info(self, kind: str, key: str) -> dict[str, Any]:
-        """What the encoder noted beside an entry's tensors (e.g. token counts), from its header only."""
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(self.path(kind, key)), framework="pt") as fh:
-                return json.loads((fh.metadata() or {}).get("info", "{}"))
-        except (SafetensorError, OSError, ValueError):
-            return {}
-
-
-def _checksum(tensors: dict[str, "torch.Tensor"]) -> str:
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------
-
-
-def scan(cfg: "Config", family: "Family") -> ScanResult:
-    """Every image the run uses: data.dir's, then eval.holdout_dir's (held out; see split_holdout)."""
-    d = cfg.data
-    _check_geometry(cfg, family)
-
-    def one(root: str, repeats: int) -> ScanResult:
-        return scan_dataset(
-            Path(root), resolution=d.resolution, step=d.bucket_step or family.bucket_step,
-            min_side=d.min_bucket_side, max_side=d.max_bucket_side, use_buckets=d.buckets,
-            caption_ext=d.caption_ext, missing_caption=d.missing_caption, default_caption=d.default_caption,
-            trigger_word=d.trigger_word, default_repeats=repeats, skip_bad_images=d.skip_bad_images,
-        )
-
-    scanned = one(d.dir, d.repeats)
-    if not cfg.eval.holdout_dir:
-        return scanned
-    held_root = Path(cfg.eval.holdout_dir).resolve()
-    if held_root == Path(d.dir).resolve() or Path(d.dir).resolve() in held_root.parents:
-        raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside data.dir = {d.dir!r}; "
-                           "move the held-out images to a folder of their own, next to data.dir")
-    extra = one(cfg.eval.holdout_dir, 1)
-    return _scan_result(scanned.items + extra.items, scanned.warnings + extra.warnings)
-
-
-def _scan_result(items: tuple[DatasetItem, ...], warnings: tuple[str, ...]) -> ScanResult:
-    counts: dict[tuple[int, int], int] = {}
-    for item in items:
-        counts[item.bucket] = counts.get(item.bucket, 0) + 1
-    return ScanResult(tuple(items), tuple(warnings), dict(sorted(counts.items())))
-
-
-def split_holdout(cfg: "Config", scanned: ScanResult) -> tuple[ScanResult, ScanResult]:
-    """(training images, held-out images) of a ``scan``: held out are the last ``eval.holdout`` images
-    of data.dir's sorted scan and every image of ``eval.holdout_dir``. A pure function of the file
-    names, so training and every later evaluation agree on the split; held-out images are never
-    trained on, only scored (``imglora eval``, ``eval.every``)."""
-    held_root = Path(cfg.eval.holdout_dir) if cfg.eval.holdout_dir else None
-    extra = tuple(i for i in scanned.items if held_root is not None and i.path.is_relative_to(held_root))
-    outside = frozenset(extra)
-    own = tuple(i for i in scanned.items if i not in outside)
-    n = cfg.eval.holdout
-    if n and n >= len(own):
-        from ..errors import DataError
-
-        raise DataError([f"eval.holdout = {n} would hold out all {len(own)} images of {cfg.data.dir}, leaving "
-                         "none to train on; lower it or use eval.holdout_dir"])
-    train, held = own[:len(own) - n], own[len(own) - n:] + extra
-    return _scan_result(train, scanned.warnings), _scan_result(held, ())
 
 
 def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan":
     """The part of a plan that covers some of its images (their latents and captions)."""
     keep = set(items)
     captions = {i.caption for i in items}
-    return CachePlan(_scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
+    return CachePlan(scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
                      [s for s in the_plan.latents if s.item in keep],
                      {c: s for c, s in the_plan.texts.items() if c in captions},
                      the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities))
-
-
-def _check_geometry(cfg: "Config", family: "Family") -> None:
-    """Bucket sides the model cannot take (e.g. an odd FLUX latent) fail here, before any encoder runs."""
-    from ..errors import ConfigError
-
-    d, step = cfg.data, family.bucket_step
-    problems = []
-    if d.bucket_step and d.bucket_step % step:
-        problems.append(f"{cfg.source}: data.bucket_step = {d.bucket_step} must be a multiple of {step} for the "
-                        f"{family.name} family")
-    if not d.buckets and d.resolution % (d.bucket_step or step):
-        problems.append(f"{cfg.source}: data.resolution = {d.resolution} must be a multiple of "
-                        f"{d.bucket_step or step} with data.buckets = false")
-    if problems:
-        raise ConfigError(problems, cfg.source)
 
 
 def plan(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
          scanned: ScanResult | None = None) -> CachePlan:
     """Compute every entry's key without loading a model or decoding an image."""
     scanned = scanned or scan(cfg, family)
-    enc_dtype = resolve_encoder_dtype(cfg.cache.encoder_dtype, device)
+    enc_dtype = devices.encoder_dtype_name(cfg.cache.encoder_dtype, device)
     max_len = cfg.cache.text_max_length or family.text_max_length
     vae_id = record.identity(family.vae_folders(model_dir))
     text_id = record.identity(family.text_folders(model_dir))
     latents = []
     for item in scanned.items:
-        sha = file_sha256(item.path)
+        sha = sha256_file(item.path)
         # A random crop is fixed per image by a seed derived from the run seed and the image, so
         # it is reproducible and part of the key; a center crop does not depend on the seed.
         crop_seed = int(sha[:8], 16) ^ cfg.train.seed if cfg.data.crop == "random" else 0
@@ -284,7 +144,7 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
     if todo_lat:
         import torch
 
-        dtype = torch_dtype(the_plan.encoder_dtype)
+        dtype = devices.dtype(the_plan.encoder_dtype)
         vae = family.load_vae(model_dir, torch.device(device), dtype)
         stats.loaded_vae = True
         with Progress(len(todo_lat), "encoding latents", enabled=progress) as bar:
@@ -294,11 +154,11 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
                 stats.latents_encoded += 1
                 bar.update()
         del vae
-        _free(device)
+        devices.free(device)
     if todo_txt:
         import torch
 
-        encoders = family.load_text_encoders(model_dir, torch.device(device), torch_dtype(the_plan.encoder_dtype))
+        encoders = family.load_text_encoders(model_dir, torch.device(device), devices.dtype(the_plan.encoder_dtype))
         stats.loaded_text_encoders = True
         with Progress(len(todo_txt), "encoding captions", enabled=progress) as bar:
             for spec in todo_txt:
@@ -309,7 +169,7 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
                 stats.texts_encoded += 1
                 bar.update()
         del encoders
-        _free(device)
+        devices.free(device)
     write_manifest(cfg, the_plan)
     stats.seconds = time.perf_counter() - t0
     return the_plan, stats
@@ -324,7 +184,7 @@ def _finite(tensors: dict[str, "torch.Tensor"], what: str, dtype: str) -> dict[s
         from ..errors import DataError
 
         raise DataError([f"{what}: encoding gave NaN or infinite values ({', '.join(bad)}) with cache.encoder_dtype "
-                         f"{dtype!r}; the SDXL VAE overflows in fp16 — use \"bf16\" or \"fp32\""])
+                         f"{dtype!r}; some VAEs overflow in fp16 — use \"bf16\" or \"fp32\""])
     return tensors
 
 
@@ -340,16 +200,6 @@ def encode_latent(family: "Family", vae: Any, spec: LatentSpec, crop: str) -> di
     # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
     out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
     return out
-
-
-def _free(device: "torch.device | str") -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if str(device).startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 def manifest_path(cfg: "Config") -> Path:
@@ -405,15 +255,6 @@ def verify(cfg: "Config", family: "Family", model_dir: Path, device: "torch.devi
     return report
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One training image as the loop sees it: cached tensors for each variant (flip) and its bucket."""
-
-    bucket: tuple[int, int]
-    repeats: int
-    variants: tuple[dict[str, "torch.Tensor"], ...]
-
-
 def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
                  the_plan: CachePlan, stats: FillStats | None = None) -> list[Sample]:
     """Read every entry of the plan into memory; a corrupt entry is dropped and re-encoded once
@@ -467,17 +308,6 @@ def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
     return (f"{len(long)} caption(s) are longer than the text encoder reads and are cut off (the rest is not "
             f"trained on): {', '.join(long[:5])}{', ...' if len(long) > 5 else ''}; shorten them, or raise "
             "cache.text_max_length where the encoder allows it")
-
-
-@dataclass
-class PreparedData:
-    """What the training loop needs from a family's data preparation."""
-
-    samples: list[Sample]
-    version: str  # dataset version (a hash over the content)
-    warnings: tuple[str, ...]
-    summary: str  # one line for the user
-    validation: list[Sample] = field(default_factory=list)  # held out; loss only, never trained on
 
 
 def prepare_images(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str") -> PreparedData:

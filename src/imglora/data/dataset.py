@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imglora.data.buckets import assign_bucket, make_buckets
-from imglora.data.images import BadImageError, file_sha256, image_size
+from imglora.data.images import BadImageError, image_size
+from imglora.hashing import sha256_file
 from imglora.errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
@@ -178,7 +179,7 @@ def dataset_version(items: Iterable[DatasetItem]) -> str:
     records, problems = [], []
     for item in items:
         try:
-            digest = file_sha256(item.path)
+            digest = sha256_file(item.path)
         except OSError as exc:
             problems.append(f"{item.path}: cannot read it any more ({exc.strerror}); scan again")
             continue

@@ -12,7 +12,6 @@ bucket.)
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import warnings
@@ -91,15 +90,6 @@ def image_size(path: str | os.PathLike, *, verify: bool = False) -> tuple[int, i
             im.draft(None, (1, 1))  # a no-op for formats without reduced-scale decoding
             im.load()
     return (height, width) if swap else (width, height)
-
-
-def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
-    """Hex SHA-256 of the file's bytes, read in chunks so large files use little memory."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @contextmanager

@@ -9,7 +9,7 @@ build the optimizer; each step ``swapper.prepare_forward()`` before the forward.
 """
 
 from .fp8 import Fp8Report, quantize_fp8, tensor_bytes, to_device, weight_bytes
-from .swap import BlockSwapper, PoolStats, SwapEvent, SwapStats, kohya_split, swap_mask
+from .swap import BlockSwapper, PoolStats, SwapEvent, SwapStats, swap_mask
 
 __all__ = [
     "BlockSwapper",
@@ -17,7 +17,6 @@ __all__ = [
     "PoolStats",
     "SwapEvent",
     "SwapStats",
-    "kohya_split",
     "quantize_fp8",
     "swap_mask",
     "tensor_bytes",

@@ -70,85 +70,26 @@ import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .fp8 import to_device
+from .swap_storage import (Block, Pool, PoolStats, Slot, SlotAlias, SwapEvent, SwapStats, alias_spec, alloc_host,
+                           build_pools, collect_entries, copy_to, graph_task_id, iter_tensors,
+                           outer_saved_tensor_hooks_active, rebuild, set_targets, stage_host, unflatten, unpin_all,
+                           view)
 
-__all__ = ["BlockSwapper", "PoolStats", "SwapEvent", "SwapStats", "kohya_split", "swap_mask"]
+__all__ = ["BlockSwapper", "PoolStats", "SwapEvent", "SwapStats", "swap_mask"]
 
 log = logging.getLogger(__name__)
-
-# Offsets of tensors inside a block buffer: the CUDA caching allocator's granularity, so every view
-# is as aligned as a tensor of its own (vectorised and fp8/Marlin-style kernels assume >= 16 bytes).
-_ALIGN = 256
 
 _warned_cpu = False
 
 
 # --------------------------------------------------------------------------------------- public API
-
-
-class SwapEvent(NamedTuple):
-    kind: str  # "load" (copy into a slot issued), "run" (block about to compute), "evict"
-    block: int  # index into the ``blocks`` given to BlockSwapper
-    phase: str  # "forward", "recompute" or "backward"
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    n_blocks: int
-    """Swapped blocks sharing this tensor layout."""
-    n_slots: int
-    """Device buffers for them (``min(slots_per_shape, n_blocks)``)."""
-    block_bytes: int
-    """Bytes of one block's frozen tensors as laid out in a slot (with alignment padding)."""
-
-
-@dataclass(frozen=True)
-class SwapStats:
-    n_swapped: int
-    slots: int
-    """Device buffers in all pools; never grows after :meth:`BlockSwapper.install`."""
-    device_buffer_bytes: int
-    h2d_bytes: int
-    """Bytes copied host-to-device by the schedule since install."""
-    d2h_bytes: int
-    """Bytes copied device-to-host by the schedule since install (always 0: nothing is copied back)."""
-    loads: int
-    """Block copies issued since install."""
-    demand_loads: int
-    """Of those, copies issued when the block was already needed (not prefetched): stalls."""
-    buffer_allocations: int
-    """Device buffers allocated since install (== ``slots``: no allocation per step)."""
-    pinned: bool
-    """Whether the host copies are page-locked (only with CUDA)."""
-    pools: tuple[PoolStats, ...]
-    events: tuple[SwapEvent, ...] = ()
-
-
-def kohya_split(n: int, n_double: int, n_single: int) -> tuple[int, int]:
-    """kohya sd-scripts' meaning of "swap ``n`` FLUX blocks": ``(n // 2, (n - n // 2) * 2)``
-    double and single blocks (a single block has about half a double block's parameters)."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"number of blocks to swap must be an int, got {n!r}")
-    if n < 0:
-        raise ValueError(f"number of blocks to swap must be >= 0, got {n}")
-    n_d, n_s = n // 2, (n - n // 2) * 2
-    if n_d > n_double or n_s > n_single:
-        # floor(k/2) <= n_double and 2*ceil(k/2) <= n_single
-        largest = min(2 * n_double + 1, 2 * (n_single // 2))
-        raise ValueError(
-            f"swapping {n} blocks means {n_d} double and {n_s} single blocks (kohya's convention: "
-            f"n//2 double + (n - n//2)*2 single), but the model has {n_double} double and {n_single} "
-            f"single blocks; the largest valid number is {largest}"
-        )
-    return n_d, n_s
 
 
 def swap_mask(n_blocks: int, n_swap: int) -> list[bool]:
@@ -159,157 +100,6 @@ def swap_mask(n_blocks: int, n_swap: int) -> list[bool]:
     if not 0 <= n_swap <= n_blocks:
         raise ValueError(f"cannot swap {n_swap} of {n_blocks} blocks: need 0 <= n_swap <= {n_blocks}")
     return [i >= n_blocks - n_swap for i in range(n_blocks)]
-
-
-# ------------------------------------------------------------------------------- layout of a block
-
-
-class _Leaf(NamedTuple):
-    """A plain tensor's place in a block buffer."""
-
-    offset: int  # bytes from the start of the block buffer
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return _span(self.size, self.stride) * self.dtype.itemsize
-
-
-@dataclass
-class _Entry:
-    """One frozen parameter/buffer of a block (possibly registered under several names)."""
-
-    name: str  # first "module.attr" name within the block
-    targets: list[tuple[nn.Module, str, bool]]  # (module, attribute, is_parameter)
-    tensor: torch.Tensor  # the object found at install (plain entries keep it and swap .data)
-    wrapped: bool  # a tensor subclass: swapped by re-assigning the module attribute
-
-
-def _span(size: Sequence[int], stride: Sequence[int]) -> int:
-    """Elements from the first to the last element of a strided tensor, inclusive."""
-    if any(s == 0 for s in size):
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(size, stride))
-
-
-def _dense_layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Size and stride to store ``t`` with: its own strides if they cover exactly ``numel`` elements
-    (contiguous or a permutation, e.g. a transposed weight), else contiguous."""
-    size, stride = tuple(t.shape), tuple(t.stride())
-    if all(st >= 0 for st in stride) and _span(size, stride) == t.numel():
-        return size, stride
-    return size, tuple(torch.empty(size, device="meta").stride())
-
-
-def _flatten(t: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
-    """Structure and plain leaf tensors of ``t``; a subclass is opened with ``__tensor_flatten__``."""
-    if not is_traceable_wrapper_subclass(t):
-        return None, [t]
-    names, meta = t.__tensor_flatten__()
-    inner, leaves = [], []
-    for n in names:
-        sub, sub_leaves = _flatten(getattr(t, n))
-        inner.append((n, sub, len(sub_leaves)))
-        leaves.extend(sub_leaves)
-    return (type(t), meta, tuple(t.size()), tuple(t.stride()), tuple(inner)), leaves
-
-
-def _unflatten(struct: Any, leaves: Iterator[torch.Tensor]) -> torch.Tensor:
-    if struct is None:
-        return next(leaves)
-    cls, meta, size, stride, inner = struct
-    tensors = {n: _unflatten(sub, leaves) for n, sub, _ in inner}
-    return cls.__tensor_unflatten__(tensors, meta, size, stride)
-
-
-def _struct_key(struct: Any) -> Any:
-    """Hashable, comparable form of a structure (the metadata of quanto is a dict of strings)."""
-    if struct is None:
-        return None
-    cls, meta, size, stride, inner = struct
-    meta_key = tuple(sorted((k, repr(v)) for k, v in meta.items())) if isinstance(meta, dict) else repr(meta)
-    return (cls.__module__, cls.__qualname__, meta_key, size, stride, tuple((n, _struct_key(s), k) for n, s, k in inner))
-
-
-def _view(buf: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
-    """The tensor described by ``leaf`` inside the uint8 block buffer ``buf``."""
-    return buf[leaf.offset : leaf.offset + leaf.nbytes].view(leaf.dtype).as_strided(leaf.size, leaf.stride)
-
-
-def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _iter_tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _iter_tensors(o)
-    elif hasattr(obj, "to_tuple"):  # diffusers/transformers ModelOutput
-        yield from _iter_tensors(obj.to_tuple())
-
-
-# ---------------------------------------------------------------------------------- engine state
-
-
-@dataclass(eq=False)
-class _Slot:
-    buf: torch.Tensor  # uint8 device buffer, one block
-    objs: list[torch.Tensor]  # per entry: a view (plain) or a Parameter wrapping views (subclass)
-    ready: Any = None  # torch.cuda.Event, recorded on the copy stream after the copy into buf
-    free: Any = None  # torch.cuda.Event, recorded on the compute stream before buf is overwritten
-    occupant: int | None = None
-
-
-@dataclass(eq=False)
-class _Pool:
-    signature: Any
-    entry_structs: list[Any]  # per entry: flatten structure (None for plain tensors)
-    entry_leaves: list[tuple[int, int]]  # per entry: [start, stop) into leaves
-    leaves: list[_Leaf]
-    block_bytes: int
-    members: list[int] = field(default_factory=list)  # block indices, in order
-    hosts: list[torch.Tensor] = field(default_factory=list)  # per member: uint8 host copy, block_bytes
-    pinned: bool = False
-    slots: list[_Slot] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Block:
-    index: int
-    module: nn.Module
-    swapped: bool
-    entries: list[_Entry] = field(default_factory=list)
-    pool: _Pool | None = None
-    pool_pos: int = 0
-    host_objs: list[torch.Tensor] = field(default_factory=list)
-    slot: _Slot | None = None
-    last_use: int = 0
-    saved_hooks: Any = None  # the saved_tensors_hooks context pushed by the pre-hook, if any
-
-
-class _SlotAlias:
-    """A saved tensor that lives in a slot, remembered by position so it can be rebuilt wherever its
-    block is resident at unpack time (see the module docstring)."""
-
-    __slots__ = ("spec",)
-
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
-
-
-def _graph_task_id() -> int:
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if fn is None else fn()
-
-
-def _outer_saved_tensor_hooks_active() -> bool:
-    fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if fn is None:  # a torch without it: assume none (correct, but checkpoint then saves swapped blocks' activations)
-        return False
-    return fn(False) is not None
 
 
 # ---------------------------------------------------------------------------------------- engine
@@ -355,16 +145,16 @@ class BlockSwapper:
         # How many swapped blocks ahead to prefetch: all slots but the running block's.
         self.lookahead = slots_per_shape - 1
         self.record_events = record_events
-        self._blocks = [_Block(i, b, s) for i, (b, s) in enumerate(zip(blocks, mask))]
+        self._blocks = [Block(i, b, s) for i, (b, s) in enumerate(zip(blocks, mask))]
         self._swapped = [b.index for b in self._blocks if b.swapped]
-        self._pools: list[_Pool] = []
+        self._pools: list[Pool] = []
         self._cuda = self.device.type == "cuda"
         self._copy_stream: Any = None
         self._handles: list[Any] = []
         self._installed = False
         self._tick = itertools.count(1)
         self._current: int | None = None  # the block running now (forward/recompute) or in backward
-        self._slot_by_ptr: dict[int, _Slot] = {}
+        self._slot_by_ptr: dict[int, Slot] = {}
         self._events: list[SwapEvent] = []
         self._h2d = self._d2h = self._loads = self._demand = self._allocs = 0
         self._finalizer: Any = None
@@ -392,7 +182,7 @@ class BlockSwapper:
                 "block swap on %s: the swap schedule runs with host-to-host copies, no GPU memory is saved",
                 self.device,
             )
-        self._collect_entries()
+        collect_entries(self._blocks)
         if root is not None:
             inside = {id(m) for i in self._swapped for m in self._blocks[i].module.modules()}
             for mod in root.modules():
@@ -408,15 +198,15 @@ class BlockSwapper:
             for p in blk.module.parameters():
                 if p.requires_grad and p.device != self.device:
                     p.data = p.data.to(self.device)
-        self._build_pools()
+        self._pools = build_pools(self._blocks, self._swapped)
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         self._pinned = []
         # Unpins even if remove() is never called. The finalizer holds the buffers, so they are
         # unregistered before they can be freed (freeing registered memory is undefined in CUDA).
-        self._finalizer = weakref.finalize(self, _unpin_all, self._pinned)
+        self._finalizer = weakref.finalize(self, unpin_all, self._pinned)
         for pool in self._pools:
-            self._stage_host(pool)
+            stage_host(pool, self._blocks, self._cuda, self._alloc_host)
             self._alloc_slots(pool)
         self._register_hooks()
         self._installed = True
@@ -440,10 +230,10 @@ class BlockSwapper:
                 continue
             for e, host_obj in zip(blk.entries, blk.host_objs):
                 if e.wrapped:
-                    dev = nn.Parameter(_copy_to(host_obj.detach(), self.device), requires_grad=False)
-                    self._set_targets(e, dev)
+                    dev = nn.Parameter(copy_to(host_obj.detach(), self.device), requires_grad=False)
+                    set_targets(e, dev)
                 else:
-                    e.tensor.data = _copy_to(host_obj, self.device)
+                    e.tensor.data = copy_to(host_obj, self.device)
             blk.slot = None
             blk.host_objs = []
         if self._cuda:
@@ -460,151 +250,27 @@ class BlockSwapper:
         self._current = None
         self._installed = False
 
-    def _collect_entries(self) -> None:
-        """Find each swapped block's frozen tensors; refuse tensors shared between blocks."""
-        owner: dict[int, int] = {}  # id(tensor) -> block index, for every tensor of every block
-        for blk in self._blocks:
-            seen: dict[int, _Entry] = {}
-            blk.entries = []
-            for mod_name, mod in blk.module.named_modules():
-                for is_param, registry in ((True, mod._parameters), (False, mod._buffers)):
-                    for attr, t in registry.items():
-                        if t is None:
-                            continue
-                        other = owner.setdefault(id(t), blk.index)
-                        if other != blk.index and (blk.swapped or self._blocks[other].swapped):
-                            raise ValueError(
-                                f"{mod_name}.{attr} of block {blk.index} is shared with block {other}; "
-                                "a swapped block's tensors must be its own"
-                            )
-                        if not blk.swapped or (is_param and t.requires_grad):
-                            continue
-                        if id(t) in seen:  # tied inside the block: one copy, several names
-                            seen[id(t)].targets.append((mod, attr, is_param))
-                            continue
-                        if t.is_meta:
-                            raise ValueError(f"block {blk.index}: {mod_name}.{attr} is on the meta device")
-                        e = _Entry(
-                            name=f"{mod_name}.{attr}" if mod_name else attr,
-                            targets=[(mod, attr, is_param)],
-                            tensor=t,
-                            wrapped=is_traceable_wrapper_subclass(t),
-                        )
-                        seen[id(t)] = e
-                        blk.entries.append(e)
-
-    def _build_pools(self) -> None:
-        by_sig: dict[Any, _Pool] = {}
-        for i in self._swapped:
-            blk = self._blocks[i]
-            structs, spans, leaves, sig = [], [], [], []
-            offset = 0
-            for e in blk.entries:
-                t = e.tensor
-                if e.wrapped and t.device.type != "cpu":
-                    # Device-specific subclass layouts (quanto's Marlin) do not round-trip through
-                    # the host; the portable layout is rebuilt from host memory below.
-                    t = t.detach().to("cpu")
-                    e.tensor = t
-                struct, plain = _flatten(t)
-                start = len(leaves)
-                for p in plain:
-                    size, stride = _dense_layout(p)
-                    leaf = _Leaf(offset, p.dtype, size, stride)
-                    leaves.append(leaf)
-                    offset += -(-leaf.nbytes // _ALIGN) * _ALIGN
-                structs.append(struct)
-                spans.append((start, len(leaves)))
-                sig.append((e.name, e.wrapped, _struct_key(struct)))
-            sig.append(tuple((lf.dtype, lf.size, lf.stride) for lf in leaves))
-            key = tuple(sig)
-            pool = by_sig.get(key)
-            if pool is None:
-                pool = _Pool(key, structs, spans, leaves, max(offset, _ALIGN))
-                by_sig[key] = pool
-                self._pools.append(pool)
-            blk.pool, blk.pool_pos = pool, len(pool.members)
-            pool.members.append(i)
-
-    def _stage_host(self, pool: _Pool) -> None:
-        """Copy each member's frozen tensors into its own host buffer and point the block at it.
-
-        One buffer per block, filled and re-pointed before the next is allocated: the original
-        tensors are released block by block, so install needs one block of extra host memory,
-        not a second copy of everything that is swapped.
-        """
-        pool.pinned = self._cuda
-        with torch.no_grad():
-            for i in pool.members:
-                blk = self._blocks[i]
-                host, how = self._alloc_host(pool.block_bytes)
-                pool.pinned = pool.pinned and how != "pageable"
-                blk.host_objs = []
-                for e, struct, (a, b) in zip(blk.entries, pool.entry_structs, pool.entry_leaves):
-                    _, plain = _flatten(e.tensor)
-                    views = [_view(host, lf) for lf in pool.leaves[a:b]]
-                    for v, p in zip(views, plain):
-                        v.copy_(p.detach())
-                    if e.wrapped:
-                        obj = nn.Parameter(_unflatten(struct, iter(views)), requires_grad=False)
-                        self._set_targets(e, obj)
-                        e.tensor = obj
-                    else:
-                        obj = views[0]
-                        # Re-pointing .data (not replacing the Parameter) keeps the object that
-                        # modules, peft and autograd hold; the old storage is freed here.
-                        e.tensor.data = obj
-                    blk.host_objs.append(obj)
-                pool.hosts.append(host)
-
     def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, str]:
-        """A host buffer for one block: "registered", "pinned" (allocator) or "pageable".
-
-        ``pin_memory=True`` goes through PyTorch's caching host allocator, which rounds every
-        allocation up to a power of two (a 283 MB bf16 FLUX single block would take 512 MB of RAM).
-        Registering a plain buffer with cudaHostRegister pins exactly its pages (PyTorch's
-        distributed-checkpoint stager does the same), so that comes first. It can fail where the
-        locked-memory limit is low (containers); the allocator, then pageable memory (synchronous
-        copies, still correct) are the fallbacks.
-        """
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if not self._cuda:
-            return buf, "pageable"
-        try:
-            # flags=1 (cudaHostRegisterPortable), as torch.cuda._pin_memory_utils uses.
-            rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1))
-        except Exception as exc:  # noqa: BLE001 - any failure only means "try the next way"
-            rc = repr(exc)
-        if rc == 0:
-            self._pinned.append(buf)
-            return buf, "registered"
-        try:
-            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:
-            pinned = None
-        if not self._warned_pin:
+        buf, how, why = alloc_host(nbytes, self._cuda, self._pinned)
+        if why is not None and not self._warned_pin:
             self._warned_pin = True
-            log.warning(
-                "block swap: cudaHostRegister failed (%s); %s",
-                rc,
-                "using PyTorch's pinned allocator (rounds each block up to a power of two)"
-                if pinned is not None
-                else "host copies are not page-locked, transfers will be synchronous",
-            )
-        return (pinned, "pinned") if pinned is not None else (buf, "pageable")
+            log.warning("block swap: cudaHostRegister failed (%s); %s", why,
+                        "using PyTorch's pinned allocator (rounds each block up to a power of two)"
+                        if how == "pinned" else "host copies are not page-locked, transfers will be synchronous")
+        return buf, how
 
-    def _alloc_slots(self, pool: _Pool) -> None:
+    def _alloc_slots(self, pool: Pool) -> None:
         for _ in range(min(self.slots_per_shape, len(pool.members))):
             buf = torch.empty(pool.block_bytes, dtype=torch.uint8, device=self.device)
             self._allocs += 1
             objs = []
             for struct, (a, b) in zip(pool.entry_structs, pool.entry_leaves):
-                views = [_view(buf, lf) for lf in pool.leaves[a:b]]
+                views = [view(buf, lf) for lf in pool.leaves[a:b]]
                 if struct is None:
                     objs.append(views[0])
                 else:
-                    objs.append(nn.Parameter(_unflatten(struct, iter(views)), requires_grad=False))
-            slot = _Slot(buf, objs)
+                    objs.append(nn.Parameter(unflatten(struct, iter(views)), requires_grad=False))
+            slot = Slot(buf, objs)
             if self._cuda:
                 slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
             pool.slots.append(slot)
@@ -623,11 +289,6 @@ class BlockSwapper:
             self._handles.append(
                 m.register_forward_hook(functools.partial(self._post_hook, blk.index), always_call=True)
             )
-
-    @staticmethod
-    def _set_targets(e: _Entry, obj: torch.Tensor) -> None:
-        for mod, attr, is_param in e.targets:
-            (mod._parameters if is_param else mod._buffers)[attr] = obj
 
     # ----------------------------------------------------------------------------------- per step
 
@@ -666,13 +327,13 @@ class BlockSwapper:
     # -------------------------------------------------------------------------------------- hooks
 
     def _pre_hook(self, index: int, module: nn.Module, args: Any) -> None:
-        in_backward = _graph_task_id() != -1
+        in_backward = graph_task_id() != -1
         phase, direction = ("recompute", -1) if in_backward else ("forward", 1)
         blk = self._blocks[index]
         self._current = index
         if blk.swapped:
             self._acquire(index, phase, direction)
-            if phase == "forward" and torch.is_grad_enabled() and not _outer_saved_tensor_hooks_active():
+            if phase == "forward" and torch.is_grad_enabled() and not outer_saved_tensor_hooks_active():
                 hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 try:
                     hooks.__enter__()
@@ -692,15 +353,15 @@ class BlockSwapper:
         if blk.saved_hooks is not None:
             blk.saved_hooks.__exit__(None, None, None)
             blk.saved_hooks = None
-        if output is None or not torch.is_grad_enabled() or _graph_task_id() != -1:
+        if output is None or not torch.is_grad_enabled() or graph_task_id() != -1:
             return  # no backward will come (or this is a recompute, whose outputs are discarded)
-        tensors = [t for t in _iter_tensors(output) if t.requires_grad]
+        tensors = [t for t in iter_tensors(output) if t.requires_grad]
         if not tensors:
             return
         fired = [None]  # graph task that already handled this forward's outputs
 
         def on_grad(grad: torch.Tensor) -> None:
-            task = _graph_task_id()
+            task = graph_task_id()
             if fired[0] != task:
                 fired[0] = task
                 self._enter_backward(index)
@@ -745,7 +406,7 @@ class BlockSwapper:
             if self._blocks[j].slot is None:
                 self._load(j, phase, protect, demand=False)
 
-    def _pick_slot(self, pool: _Pool, protect: set[int]) -> _Slot | None:
+    def _pick_slot(self, pool: Pool, protect: set[int]) -> Slot | None:
         best = None
         for s in pool.slots:
             if s.occupant is None:
@@ -778,7 +439,7 @@ class BlockSwapper:
             slot.buf.copy_(src)
         for e, obj in zip(blk.entries, slot.objs):
             if e.wrapped:
-                self._set_targets(e, obj)
+                set_targets(e, obj)
             else:
                 e.tensor.data = obj
         slot.occupant, blk.slot = index, slot
@@ -789,12 +450,12 @@ class BlockSwapper:
             self._events.append(SwapEvent("load", index, phase))
         return True
 
-    def _evict(self, slot: _Slot, phase: str) -> None:
+    def _evict(self, slot: Slot, phase: str) -> None:
         blk = self._blocks[slot.occupant]
         # No copy back: the host copy is the weights (frozen), re-pointing is all eviction takes.
         for e, obj in zip(blk.entries, blk.host_objs):
             if e.wrapped:
-                self._set_targets(e, obj)
+                set_targets(e, obj)
             else:
                 e.tensor.data = obj
         if self.record_events:
@@ -803,56 +464,9 @@ class BlockSwapper:
 
     # ------------------------------------------------------------- saved tensors without checkpoint
 
-    def _alias_spec(self, t: torch.Tensor) -> Any:
-        if is_traceable_wrapper_subclass(t):
-            names, meta = t.__tensor_flatten__()
-            inner = {n: self._alias_spec(getattr(t, n)) for n in names}
-            if all(s is None for s in inner.values()):
-                return None
-            inner = {n: (s if s is not None else ("raw", getattr(t, n))) for n, s in inner.items()}
-            return ("sub", type(t), meta, tuple(t.size()), tuple(t.stride()), inner)
-        try:
-            slot = self._slot_by_ptr.get(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # no storage (other subclasses, functional tensors)
-            return None
-        if slot is None:
-            return None
-        return ("view", slot.occupant, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
     def _pack(self, t: torch.Tensor) -> Any:
-        spec = self._alias_spec(t)
-        return t if spec is None else _SlotAlias(spec)
+        spec = alias_spec(t, self._slot_by_ptr)
+        return t if spec is None else SlotAlias(spec)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        return self._rebuild(packed.spec) if isinstance(packed, _SlotAlias) else packed
-
-    def _rebuild(self, spec: Any) -> torch.Tensor:
-        kind = spec[0]
-        if kind == "raw":
-            return spec[1]
-        if kind == "sub":
-            _, cls, meta, size, stride, inner = spec
-            return cls.__tensor_unflatten__({n: self._rebuild(s) for n, s in inner.items()}, meta, size, stride)
-        _, index, dtype, size, stride, offset = spec
-        slot = self._blocks[index].slot
-        if slot is None:
-            raise RuntimeError(f"block swap: block {index}'s weights were unpacked while not resident (internal error)")
-        return slot.buf.view(dtype).as_strided(size, stride, offset)
-
-
-def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``t`` on ``device`` with its own storage (never a view of a swap buffer)."""
-    if is_traceable_wrapper_subclass(t):
-        names, meta = t.__tensor_flatten__()
-        inner = {n: _copy_to(getattr(t, n), device) for n in names}
-        return type(t).__tensor_unflatten__(inner, meta, t.size(), t.stride())
-    return t.to(device, copy=True)
-
-
-def _unpin_all(bufs: list[torch.Tensor]) -> None:
-    for buf in bufs:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
-    bufs.clear()
+        return rebuild(packed.spec, self._blocks) if isinstance(packed, SlotAlias) else packed

@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ImgloraError
+from ..family import Swappable, supports
 from .fp8 import to_device
 
 if TYPE_CHECKING:
-    from ..config import MemoryConfig
-    from ..families import Family
     from .swap import BlockSwapper
 
 
@@ -33,35 +31,19 @@ class MemorySetup:
             self.swapper.prepare_forward()
 
 
-def swap_counts(family: "Family", lengths: list[int], m: "MemoryConfig") -> list[int]:
-    """How many blocks of each of the family's block lists (of ``lengths`` blocks) to swap."""
-    if not lengths:
-        return []
-    if m.double_blocks_to_swap >= 0 or m.single_blocks_to_swap >= 0:
-        counts = [max(0, m.double_blocks_to_swap), max(0, m.single_blocks_to_swap)][:len(lengths)]
-        for name, n, size in zip(("memory.double_blocks_to_swap", "memory.single_blocks_to_swap"), counts, lengths):
-            if n > size:
-                raise ImgloraError(f"{name} = {n}, but the model has only {size} such blocks")
-        return counts
-    if m.blocks_to_swap == 0:
-        return [0] * len(lengths)
-    from .swap import kohya_split
-
-    try:
-        return list(kohya_split(m.blocks_to_swap, lengths[0], lengths[1]))
-    except ValueError as exc:
-        raise ImgloraError(f"memory.blocks_to_swap = {m.blocks_to_swap}: {exc}") from None
-
-
-def check_swap_counts(family: "Family", model_dir: Any, m: "MemoryConfig") -> None:
+def check_swap_counts(family: Any, model_dir: Any, cfg: Any, blocks_to_swap: int | None = None) -> None:
     """Refuse a swap setting the model cannot take before the model is loaded (from its config)."""
-    if family.swappable_blocks and (m.blocks_to_swap or m.double_blocks_to_swap > 0 or m.single_blocks_to_swap > 0):
-        swap_counts(family, family.block_counts(model_dir), m)
+    if supports(family, Swappable):
+        family.swap_counts(family.block_counts(model_dir), cfg, blocks_to_swap)
 
 
-def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: torch.device,
-                 out: Callable[[str], None] = print) -> MemorySetup:
+def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
+                 out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> MemorySetup:
+    """FP8 or 4-bit base weights and block swapping as ``cfg.memory`` asks (``blocks_to_swap``, when
+    given, replaces the preset's swap setting: the evaluation pass and benchmarks choose their own);
+    the model ends on ``device``."""
     setup = MemorySetup()
+    m = cfg.memory
     if m.fp8:
         from .fp8 import quantize_fp8
 
@@ -76,7 +58,8 @@ def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: 
         out(q4.summary())
         setup.facts[m.quantization] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
                                        "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
-    counts = swap_counts(family, [len(getattr(model, n)) for n in family.swappable_blocks], m)
+    lists = list(family.swappable_blocks) if supports(family, Swappable) else []
+    counts = family.swap_counts([len(getattr(model, n)) for n in lists], cfg, blocks_to_swap) if lists else []
     if not any(counts):
         to_device(model, device)
         return setup
@@ -84,15 +67,15 @@ def apply_memory(model: nn.Module, family: "Family", m: "MemoryConfig", device: 
     from .swap import BlockSwapper, swap_mask
 
     blocks, mask = [], []
-    for name, n in zip(family.swappable_blocks, counts):
+    for name, n in zip(lists, counts):
         block_list = list(getattr(model, name))
         blocks += block_list
         mask += swap_mask(len(block_list), n)
     setup.swapper = BlockSwapper(blocks, mask, device)
     setup.swapper.install(root=model)  # also moves everything outside the block lists to the device
     stats = setup.swapper.stats
-    setup.facts["swap"] = {"blocks_per_list": dict(zip(family.swappable_blocks, counts)),
+    setup.facts["swap"] = {"blocks_per_list": dict(zip(lists, counts)),
                            "swapped_blocks": stats.n_swapped, "device_buffer_bytes": stats.device_buffer_bytes}
-    out(f"block swap: {' + '.join(f'{n} of {len(getattr(model, b))} {b}' for b, n in zip(family.swappable_blocks, counts))}"
+    out(f"block swap: {' + '.join(f'{n} of {len(getattr(model, b))} {b}' for b, n in zip(lists, counts))}"
         f" kept in host memory; {stats.device_buffer_bytes / 2**20:.1f} MiB of device buffers")
     return setup

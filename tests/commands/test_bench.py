@@ -7,11 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from imglora import bench
+from imglora.commands import bench
 from imglora.cli import main
 from imglora.errors import ImgloraError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(REPO / "presets" / "tiny-flux.toml")
 
 
@@ -47,7 +47,7 @@ def test_oom_is_reported_with_its_stage(monkeypatch) -> None:
     def oom(self, batch, gen):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(flux.FluxTrainable, "loss", oom)
+    monkeypatch.setattr(flux.model.FluxTrainable, "loss", oom)
     r = bench.run_setting({"preset": TINY_FLUX, "overrides": [], "precision": "fp8", "blocks": 2, "steps": 1,
                            "warmup": 0, "resolution": 64, "arch": "preset"})
     assert (r["status"], r["stage"]) == ("oom", "forward") and "Tried to allocate" in r["error"]
@@ -85,14 +85,13 @@ def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
     same code on a shrunk config (the real ones need a GPU box's memory)."""
     from imglora.families import flux, sdxl
 
-    monkeypatch.setattr(flux, "FULL_TRANSFORMER", {"guidance_embeds": True, "num_layers": 2, "num_single_layers": 4,
-                                                   "attention_head_dim": 16, "num_attention_heads": 2,
-                                                   "joint_attention_dim": 32, "pooled_projection_dim": 32,
-                                                   "axes_dims_rope": (4, 6, 6)})
-    monkeypatch.setattr(sdxl, "FULL_UNET", {**sdxl.FULL_UNET, "block_out_channels": (32, 64, 64),
-                                            "attention_head_dim": (2, 4, 4), "transformer_layers_per_block": (1, 1, 1),
-                                            "cross_attention_dim": 64, "addition_time_embed_dim": 8,
-                                            "projection_class_embeddings_input_dim": 6 * 8 + 32, "norm_num_groups": 8})
+    monkeypatch.setattr(flux.model, "FULL_TRANSFORMER", {
+        "guidance_embeds": True, "num_layers": 2, "num_single_layers": 4, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)})
+    monkeypatch.setattr(sdxl.model, "FULL_UNET", {
+        **sdxl.model.FULL_UNET, "block_out_channels": (32, 64, 64), "attention_head_dim": (2, 4, 4),
+        "transformer_layers_per_block": (1, 1, 1), "cross_attention_dim": 64, "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 6 * 8 + 32, "norm_num_groups": 8})
     preset = TINY_FLUX if family == "flux" else str(REPO / "presets" / "tiny-sdxl.toml")
     blocks = 4 if family == "flux" else 0
     r = bench.run_setting({"preset": preset, "overrides": ["cache.text_max_length=16"], "precision": "fp8",

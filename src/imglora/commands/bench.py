@@ -1,11 +1,12 @@
 """``imglora bench-swap``: measure seconds per update and peak memory for several swap settings.
 
-Each setting runs in a fresh subprocess (``python -m imglora.bench SPEC OUT``), so one setting's
+Each setting runs in a fresh subprocess (``python -m imglora.commands.bench SPEC OUT``), so one setting's
 allocator state and peak figures never leak into the next, and an out-of-memory failure ends only
 that setting. The worker builds the model exactly as ``imglora train`` does (LoRA, then FP8, then
-block swap), feeds it the preset's cached data — or synthetic latents and embeddings of the right
-shapes when the cache is incomplete — and times whole optimizer updates (gradient accumulation
-included) after warm-up, with a device synchronisation around each so the time is the real one.
+block swap, ``loop.build_session``), feeds it the preset's cached data — or synthetic latents and
+embeddings of the right shapes when the cache is incomplete — and times whole optimizer updates
+(``loop.step``, the trainer's own step, gradient accumulation included) after warm-up, with a device
+synchronisation around each so the time is the real one.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import atomic
-from .errors import ImgloraError
+from .. import atomic
+from ..errors import ImgloraError
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,12 @@ def parse_size(text: str | None) -> int | None:
 def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting], *, steps: int, warmup: int,
                resolution: int | None, vram_budget: int | None, arch: str, out_dir: Path | None,
                timeout: float = 3600, out: Callable[[str], None] = print) -> dict[str, Any]:
-    from . import config
+    from ..family import Swappable, supports
+    from .common import family_of, load_config
 
-    cfg = config.load(preset, overrides)  # fail fast, before any subprocess
-    if any(s.blocks for s in settings) and cfg.model.family != "flux":
-        raise ImgloraError(f"{preset}: block swapping is implemented for the flux family, not {cfg.model.family}")
+    cfg = load_config(preset, overrides)  # fail fast, before any subprocess
+    if any(s.blocks for s in settings) and not supports(family_of(cfg), Swappable):
+        raise ImgloraError(f"{preset}: the {cfg.model.family} family has no swappable blocks; use --blocks 0")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(out_dir) if out_dir else Path(cfg.run.output_dir) / f"bench-swap-{cfg.run.name}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +107,7 @@ def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str,
     base = {"setting": f"{spec['precision']}:{spec['blocks']}", "precision": spec["precision"],
             "blocks": spec["blocks"]}
     try:
-        proc = subprocess.run([sys.executable, "-m", "imglora.bench", str(spec_path), str(result_path)],
+        proc = subprocess.run([sys.executable, "-m", "imglora.commands.bench", str(spec_path), str(result_path)],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**base, "status": "timeout", "stage": "unknown", "error": f"no result after {timeout:.0f} s"}
@@ -222,15 +224,13 @@ def _one_line(r: dict[str, Any]) -> str:
 def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from . import config, lora, record, telemetry
-    from .families import get_family
-    from .memory.fp8 import weight_bytes
-    from .models import resolve_model
-    from .train import adapt, make_optimizer, weight_dtype
+    from .. import devices, loop, record, telemetry
+    from ..memory.fp8 import weight_bytes
+    from ..models import resolve_model
+    from .common import family_of, load_config
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}",
-                                           "memory.double_blocks_to_swap=-1", "memory.single_blocks_to_swap=-1"]
+    device = devices.default_device()
+    overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}"]
     if spec["precision"] == "fp8":
         overrides.append("memory.fp8=true")
     else:
@@ -239,60 +239,50 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             overrides.append(f"model.dtype=\"{spec['precision']}\"")
     if spec.get("resolution"):
         overrides.append(f"data.resolution={spec['resolution']}")
-    cfg = config.load(spec["preset"], overrides)
-    family = get_family(cfg.model.family)
-    dtype = weight_dtype(cfg, device)
+    cfg = load_config(spec["preset"], overrides)
+    family = family_of(cfg)
+    dtype = devices.weight_dtype(cfg, device)
     result: dict[str, Any] = {"device": device.type, "environment": record.environment()}
     stage = "load"
     t0 = time.perf_counter()
     try:
+        accelerator = loop.accelerator_for(cfg)
         if spec["arch"] == "full":
             trainable = family.full_trainable(cfg, dtype)
             data_source = "synthetic"
         else:
-            model_dir = resolve_model(cfg.model.path, cfg.model.family)
+            model_dir = resolve_model(cfg.model.path, family)
             trainable = family.load_trainable(model_dir, cfg, device, dtype)
-        model = trainable.model
         stage = "memory setup"
-        _, memory = adapt(trainable, family, cfg, device, out=lambda s: None)
-        result["weight_bytes"] = weight_bytes(model)
+        # The swap count is the setting's, as kohya counts it (the preset's explicit counts do not apply).
+        session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None,
+                                     blocks_to_swap=spec["blocks"])
+        memory = session.memory
+        result["weight_bytes"] = weight_bytes(session.model)
         if spec["arch"] != "full":
             batches, data_source = _cached_or_synthetic(cfg, family, model_dir, trainable, device)
         else:
             batches = [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)]
         result["data"] = data_source
-        params = lora.trainable_parameters(model)
-        optimizer = make_optimizer(cfg, params)
-        # The trainer's mixed precision (accelerate): "auto" is bf16 on CUDA and none on the CPU.
-        mp = cfg.train.mixed_precision
-        amp = None if device.type == "cpu" or mp == "no" else torch.float16 if mp == "fp16" else torch.bfloat16
         result["setup_seconds"] = time.perf_counter() - t0
+        stage = ""  # from here on the session says where an update is (forward, backward, optimizer)
         times = []
         h2d = []
+        loss_sum = torch.zeros((), device=device)
+        accum = cfg.train.grad_accum
         for step in range(spec["warmup"] + spec["steps"]):
-            _sync(device)
+            devices.synchronize(device)
             before = memory.swapper.stats.h2d_bytes if memory.swapper else 0
             t = time.perf_counter()
-            for micro in range(cfg.train.grad_accum):
-                batch = batches[(step * cfg.train.grad_accum + micro) % len(batches)]
-                memory.before_forward()
-                stage = "forward"
-                with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                    loss = trainable.loss(batch, torch.Generator(device=device).manual_seed(step)) / cfg.train.grad_accum
-                stage = "backward"
-                loss.backward()
-            stage = "optimizer"
-            if cfg.train.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
+            micro = (batches[(step * accum + m) % len(batches)] for m in range(accum))
+            loop.step(session, micro, torch.Generator(device=device).manual_seed(step), loss_sum)
+            devices.synchronize(device)
             times.append(time.perf_counter() - t)
             h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)
     except torch.OutOfMemoryError as exc:
-        return {**result, "status": "oom", "stage": stage, "error": str(exc).splitlines()[0]}
+        return {**result, "status": "oom", "stage": stage or session.stage, "error": str(exc).splitlines()[0]}
     except ImgloraError as exc:  # e.g. more blocks to swap than the model has
-        return {**result, "status": "error", "stage": stage, "error": str(exc)}
+        return {**result, "status": "error", "stage": stage or session.stage, "error": str(exc)}
     measured = times[spec["warmup"]:]
     mem = telemetry.memory(device)
     q = statistics.quantiles(measured, n=10) if len(measured) >= 2 else [measured[0]] * 9
@@ -306,9 +296,10 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any, device: Any) -> tuple[list, str]:
-    from .data import cache
+    from ..data import cache
+    from ..family import CacheEncoder, supports
 
-    if not family.vae_folders(model_dir):  # a family without an encoder cache (llm): its data is cheap to prepare
+    if not supports(family, CacheEncoder):  # a family without an encoder cache: its data is cheap to prepare
         return _batches(family.prepare_data(cfg, model_dir, device).samples, cfg, family, device), "data"
     the_plan = cache.plan(cfg, family, model_dir, device)
     store = cache.Cache(cfg.cache.dir)
@@ -322,17 +313,10 @@ def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any,
 
 def _batches(samples: list[Any], cfg: Any, family: Any, device: Any) -> list[dict[str, Any]]:
     """One epoch of training batches, built by the trainer's own batcher (same sizes and grouping)."""
-    from .data.batches import Batcher
+    from ..data.batches import Batcher
 
     batcher = Batcher(samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
     return [batcher.batch(i, device) for i in range(batcher.per_epoch)]
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

@@ -12,12 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imglora import checkpoint, config, lora, record
+from imglora.families.diffusers_image import ADAPTER_FILE
+from imglora.commands.common import load_config
+from imglora import checkpoint, lora, record
 from imglora.families import get_family
 from imglora.models import resolve_model
-from imglora.train import NonFiniteLoss, make_scheduler, train
+from imglora.commands.train import train
+from imglora.loop import make_scheduler
+from imglora.training import NonFiniteLoss
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"
 
 
@@ -29,7 +33,7 @@ def small(small_run):
 
 
 def load_cfg(overrides, *extra):
-    return config.load(PRESET, [*overrides, *extra])
+    return load_config(PRESET, [*overrides, *extra])
 
 
 def quiet(_: str) -> None:
@@ -74,7 +78,7 @@ def test_run_writes_adapter_log_png_and_record(small) -> None:
     cfg = load_cfg(small)
     result = train(cfg, out=quiet)
     run = cfg.run_dir
-    assert result.adapter == run / "adapter" / lora.ADAPTER_FILE and result.adapter.is_file()
+    assert result.adapter == run / "adapter" / ADAPTER_FILE and result.adapter.is_file()
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(set(r) >= {"loss", "lr", "sec_per_update", "peak_allocated", "rss"} for r in rows)
@@ -96,7 +100,7 @@ def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
 
     cfg = load_cfg(small, "lora.alpha=4", "train.max_steps=3", "train.checkpoint_every=0")  # alpha != rank
     result = train(cfg, out=quiet)
-    model_dir = resolve_model("tiny:sdxl", "sdxl")
+    model_dir = resolve_model("tiny:sdxl", get_family("sdxl"))
     family = get_family("sdxl")
 
     torch.manual_seed(0)
@@ -128,7 +132,7 @@ def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
 def test_only_lora_parameters_train(small) -> None:
     cfg = load_cfg(small)
     family = get_family("sdxl")
-    trainable = family.load_trainable(resolve_model("tiny:sdxl", "sdxl"), cfg, torch.device("cpu"), torch.float32)
+    trainable = family.load_trainable(resolve_model("tiny:sdxl", get_family("sdxl")), cfg, torch.device("cpu"), torch.float32)
     unet = trainable.model
     lora.inject(unet, family, cfg.lora, seed=1)
     base_before = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_" not in n}
@@ -151,7 +155,7 @@ def test_only_lora_parameters_train(small) -> None:
 def test_forced_nan_stops_names_step_and_keeps_checkpoint(small, monkeypatch) -> None:
     from imglora.families import sdxl
 
-    real = sdxl.SdxlTrainable.loss
+    real = sdxl.model.SdxlTrainable.loss
     calls = {"n": 0}
 
     def poisoned(self, batch, gen):
@@ -159,7 +163,7 @@ def test_forced_nan_stops_names_step_and_keeps_checkpoint(small, monkeypatch) ->
         loss = real(self, batch, gen)
         return loss * float("nan") if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(sdxl.SdxlTrainable, "loss", poisoned)
+    monkeypatch.setattr(sdxl.model.SdxlTrainable, "loss", poisoned)
     cfg = load_cfg(small)
     with pytest.raises(NonFiniteLoss) as exc:
         train(cfg, out=quiet)
@@ -168,7 +172,7 @@ def test_forced_nan_stops_names_step_and_keeps_checkpoint(small, monkeypatch) ->
     assert "last good checkpoint (update 4)" in msg
     ckpts = checkpoint.list_checkpoints(cfg.run_dir)
     assert [s for s, _ in ckpts] == [2, 4]
-    weights = load_file(str(ckpts[-1][1] / "adapter" / lora.ADAPTER_FILE))
+    weights = load_file(str(ckpts[-1][1] / "adapter" / ADAPTER_FILE))
     assert all(torch.isfinite(v).all() for v in weights.values())
     assert not (cfg.run_dir / "adapter").exists()
 
@@ -210,8 +214,8 @@ def test_sigkill_then_resume_is_bit_identical(small, tmp_path: Path) -> None:
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     assert "resuming from" in out
-    a = load_file(str(tmp_path / "ref" / "tiny-sdxl" / "adapter" / lora.ADAPTER_FILE))
-    b = load_file(str(killed_dir / "tiny-sdxl" / "adapter" / lora.ADAPTER_FILE))
+    a = load_file(str(tmp_path / "ref" / "tiny-sdxl" / "adapter" / ADAPTER_FILE))
+    b = load_file(str(killed_dir / "tiny-sdxl" / "adapter" / ADAPTER_FILE))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed adapter differs from the uninterrupted one"
 
@@ -235,7 +239,7 @@ def test_complete_cache_means_no_encoder_is_loaded(small, monkeypatch) -> None:
 
 def test_optimizers_and_epochs(small) -> None:
     from imglora.errors import ImgloraError
-    from imglora.train import make_optimizer, total_updates
+    from imglora.loop import make_optimizer, total_updates
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = make_optimizer(load_cfg(small, "train.optimizer=\"adafactor\""), [p])
@@ -257,10 +261,10 @@ def test_a_new_run_never_overwrites_an_earlier_one(small) -> None:
 
     cfg = load_cfg(small, "train.max_steps=2")
     train(cfg, out=quiet)
-    before = (cfg.run_dir / "adapter" / lora.ADAPTER_FILE).read_bytes()
+    before = (cfg.run_dir / "adapter" / ADAPTER_FILE).read_bytes()
     with pytest.raises(ImgloraError, match=r"already holds a run \(newest checkpoint: update 2\).*--resume.*run.name"):
         train(cfg, out=quiet)
-    assert (cfg.run_dir / "adapter" / lora.ADAPTER_FILE).read_bytes() == before
+    assert (cfg.run_dir / "adapter" / ADAPTER_FILE).read_bytes() == before
 
 
 def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_path, monkeypatch) -> None:
@@ -294,7 +298,7 @@ def test_missing_bitsandbytes_or_cuda_fails_before_anything_loads(monkeypatch, t
 
     monkeypatch.setattr(llm.LlmFamily, "prepare_data", never)
     monkeypatch.setattr(llm.LlmFamily, "load_trainable", never)
-    cfg = config.load(REPO / "presets" / "tiny-llm.toml", ['memory.quantization="nf4"',
+    cfg = load_config(REPO / "presets" / "tiny-llm.toml", ['memory.quantization="nf4"',
                                                           f"run.output_dir={json.dumps(str(tmp_path))}"])
     with pytest.raises(ImgloraError, match='memory.quantization = "nf4" needs (bitsandbytes|a CUDA GPU)'):
         train(cfg, out=quiet)
@@ -391,7 +395,7 @@ def test_disk_full_while_checkpointing_names_the_path_and_keeps_the_last_checkpo
     with pytest.raises(WriteError, match=r"step-000004: the disk is full"):
         train(cfg, out=quiet)
     assert [s for s, _ in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
-    assert load_file(str(checkpoint.step_dir(cfg.run_dir, 2) / "adapter" / lora.ADAPTER_FILE))
+    assert load_file(str(checkpoint.step_dir(cfg.run_dir, 2) / "adapter" / ADAPTER_FILE))
     assert not [p for p in (cfg.run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
 
@@ -404,9 +408,9 @@ def test_too_many_swapped_blocks_refused_before_loading(small, monkeypatch) -> N
 
     monkeypatch.setattr(flux.FluxFamily, "prepare_data", never)
     monkeypatch.setattr(flux.FluxFamily, "load_trainable", never)
-    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=11"])
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=11"])
     with pytest.raises(ImgloraError, match=r"memory.blocks_to_swap = 11: swapping 11 blocks means 5 double"):
         train(cfg, out=quiet)
-    cfg = config.load(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=0", "memory.double_blocks_to_swap=5"])
-    with pytest.raises(ImgloraError, match=r"memory.double_blocks_to_swap = 5, but the model has only 4"):
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=0", "flux.double_blocks_to_swap=5"])
+    with pytest.raises(ImgloraError, match=r"flux.double_blocks_to_swap = 5, but the model has only 4"):
         train(cfg, out=quiet)

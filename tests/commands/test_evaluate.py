@@ -15,15 +15,16 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from imglora import config, record
+from imglora.commands.common import load_config
+from imglora import record
 from imglora.cli_eval import eval_cmd
 from imglora.data import cache
-from imglora.evaluate import caption_prompts, evaluate
+from imglora.commands.evaluate import evaluate
 from imglora.families import get_family
 from imglora.models import resolve_model
-from imglora.train import train
+from imglora.commands.train import train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IMAGES = ("01_sky", "02_grass", "03_table", "04_wall")  # sorted: 04_wall is the held-out one
 PROMPTS = ["sks toy, a striped ball on green grass", "a striped ball on green grass"]
 
@@ -61,7 +62,7 @@ def overrides(root: Path, data: Path, *extra: str) -> list[str]:
 def sdxl_run(tmp_path_factory, sample_dataset: Path):
     """A 3-update SDXL run with a checkpoint per update, eval.every = 1 and train.eval_after = true."""
     root = tmp_path_factory.mktemp("sdxl")
-    cfg = config.load(REPO / "presets" / "tiny-sdxl.toml",
+    cfg = load_config(REPO / "presets" / "tiny-sdxl.toml",
                       overrides(root, make_data(root, sample_dataset), "train.eval_after=true", "eval.every=1"))
     result = train(cfg, out=lambda s: None)
     return cfg, result
@@ -71,7 +72,7 @@ def sdxl_run(tmp_path_factory, sample_dataset: Path):
 def flux_run(tmp_path_factory, sample_dataset: Path):
     """A 3-update FLUX run trained with the preset's FP8 base and 4 swapped blocks."""
     root = tmp_path_factory.mktemp("flux")
-    cfg = config.load(REPO / "presets" / "tiny-flux.toml", overrides(root, make_data(root, sample_dataset)))
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", overrides(root, make_data(root, sample_dataset)))
     assert cfg.memory.fp8 and cfg.memory.blocks_to_swap == 4
     return cfg, train(cfg, out=lambda s: None)
 
@@ -85,7 +86,7 @@ def base_pipeline_images(family_name: str, prompts: list[str], seed: int, **kwar
     import diffusers
 
     family = get_family(family_name)
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(resolve_model(f"tiny:{family_name}", family_name))
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(resolve_model(f"tiny:{family_name}", get_family(family_name)))
     pipe.set_progress_bar_config(disable=True)
     return [np.asarray(pipe(p, height=64, width=64, num_inference_steps=2,
                             generator=torch.Generator().manual_seed(seed), **kwargs).images[0].convert("RGB"))
@@ -187,26 +188,26 @@ def test_holdout_split_is_the_tail_of_the_sorted_scan(tmp_path: Path, sample_dat
     held_dir.mkdir()
     for f in sample_dataset.glob("05_sky.*"):
         shutil.copy(f, held_dir / f.name)
-    base = config.load(REPO / "presets" / "tiny-sdxl.toml", overrides(tmp_path, data))
+    base = load_config(REPO / "presets" / "tiny-sdxl.toml", overrides(tmp_path, data))
     family = get_family("sdxl")
     train_scan, held = cache.split_holdout(base, cache.scan(base, family))
     assert [i.path.stem for i in train_scan.items] == ["01_sky", "02_grass", "03_table"]
     assert [i.path.stem for i in held.items] == ["04_wall"]
 
-    both = config.load(REPO / "presets" / "tiny-sdxl.toml",
+    both = load_config(REPO / "presets" / "tiny-sdxl.toml",
                        overrides(tmp_path, data, f"eval.holdout_dir={json.dumps(str(held_dir))}"))
     train_scan, held = cache.split_holdout(both, cache.scan(both, family))
     assert [i.path.stem for i in held.items] == ["04_wall", "05_sky"] and len(train_scan.items) == 3
 
-    too_many = config.load(REPO / "presets" / "tiny-sdxl.toml", overrides(tmp_path, data, "eval.holdout=4"))
+    too_many = load_config(REPO / "presets" / "tiny-sdxl.toml", overrides(tmp_path, data, "eval.holdout=4"))
     with pytest.raises(Exception, match="leaving none to train on"):
         cache.split_holdout(too_many, cache.scan(too_many, family))
 
 
 def test_default_prompts_use_captions_with_and_without_the_trigger(tmp_path: Path, sample_dataset: Path) -> None:
     data = make_data(tmp_path, sample_dataset)
-    cfg = config.load(REPO / "presets" / "tiny-sdxl.toml", overrides(tmp_path, data, "eval.prompts=[]"))
+    cfg = load_config(REPO / "presets" / "tiny-sdxl.toml", overrides(tmp_path, data, "eval.prompts=[]"))
     # No data.trigger_word: "sks toy" is found as the tag every caption starts with.
-    assert caption_prompts(cfg, get_family("sdxl")) == [
+    assert get_family("sdxl").default_prompts(cfg) == [
         "sks toy, a striped ball in front of a red brick wall", "a striped ball in front of a red brick wall",
         "sks toy, a striped ball floating in a blue sky", "a striped ball floating in a blue sky"]

@@ -1,4 +1,4 @@
-"""Merge an llm run's LoRA adapter into its full-precision base: a normal transformers model folder.
+"""Merge a chat run's LoRA adapter into its full-precision base: a normal transformers model folder.
 
 The base named by the run's train record (``model.path``) is loaded unquantized in the chosen
 dtype (``auto``: the dtype its config.json gives), the PEFT adapter is applied with
@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from . import atomic, checkpoint, record
-from .errors import ImgloraError
+from ... import atomic, checkpoint, record
+from ...errors import ImgloraError
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -47,37 +47,25 @@ def adapter_dir(run_dir: Path, which: str | None) -> Path:
     return ckpts[step] / "adapter"
 
 
-def run_config(run_dir: Path) -> dict[str, Any]:
-    records = record.read_records(Path(run_dir), "train")
-    if not records:
-        raise ImgloraError(f"{run_dir} has no train record (records/*-train.json); give the folder of a training run")
-    cfg = records[-1]["config"]
-    if cfg["model"]["family"] != "llm":
-        raise ImgloraError(f"{run_dir} trained a {cfg['model']['family']} model; merge is for llm runs "
-                           "(image adapters load as they are in diffusers and ComfyUI)")
-    return cfg
-
-
 MARKER = "imglora-merge.json"  # written into every merged folder; --force replaces only such folders
 
 
-def merge(run_dir: str | Path, out: str | Path, *, which: str | None = None, dtype: str = "auto",
-          force: bool = False, log: Callable[[str], None] = print) -> Path:
+def merge(family: Any, run_dir: str | Path, cfg: Any, out: str | Path, *, which: str | None = None,
+          dtype: str = "auto", force: bool = False, log: Callable[[str], None] = print) -> Path:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import resolve_model
+    from ...models import resolve_model
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
         raise ImgloraError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    cfg = run_config(run_dir)
     adapter = adapter_dir(run_dir, which)
     _check_out(out, run_dir, force)
-    rec = record.RunRecord("merge", run_dir, cfg)
+    rec = record.RunRecord("merge", run_dir, cfg.to_dict())
     with rec.phase("resolve_model"):
-        model_dir = resolve_model(cfg["model"]["path"], "llm")
+        model_dir = resolve_model(cfg.model.path, family)
     torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     with rec.phase("load"):
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
@@ -91,7 +79,7 @@ def merge(run_dir: str | Path, out: str | Path, *, which: str | None = None, dty
     rec.set(model_dir=str(model_dir), adapter=str(adapter), out=str(out), dtype=str(merged.dtype).removeprefix("torch."),
             merged_checksums=record.folder_checksums(out))
     rec.write()
-    log(f"merged {adapter} into {cfg['model']['path']} ({str(merged.dtype).removeprefix('torch.')}): {out}")
+    log(f"merged {adapter} into {cfg.model.path} ({str(merged.dtype).removeprefix('torch.')}): {out}")
     return out
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import DataError, ImgloraError
+from ...errors import DataError, ImgloraError
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # label of tokens the loss skips (PyTorch's cross_entropy ignore_index)
@@ -55,7 +55,7 @@ def read_jsonl(path: str | Path) -> list[Conversation]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DataError([f"{path}: no such file (data.file / eval.holdout_file)"]) from None
+        raise DataError([f"{path}: no such file (llm.data_file / llm.holdout_file)"]) from None
     except UnicodeDecodeError as exc:
         raise DataError([f"{path}: not UTF-8 text ({exc})"]) from None
     conversations, problems = [], []
@@ -197,16 +197,16 @@ class LengthReport:
 
     def summary(self) -> str:
         return (f"token lengths median {self.median:g}, 95th percentile {self.p95:g}, longest {self.longest}; "
-                f"{self.truncated} of {self.n} truncated to data.max_seq_len = {self.max_seq_len}")
+                f"{self.truncated} of {self.n} truncated to llm.max_seq_len = {self.max_seq_len}")
 
     def warning(self) -> str | None:
         if not self.truncated:
             return None
         share = 100 * self.truncated / self.n
         keep = math.ceil(self.p95)
-        hint = (f"raise data.max_seq_len to about {keep} to keep 95% whole"
+        hint = (f"raise llm.max_seq_len to about {keep} to keep 95% whole"
                 if keep > self.max_seq_len else "shorten or split the longest conversations")
-        return (f"{self.truncated} of {self.n} conversations ({share:.1f}%) are longer than data.max_seq_len = "
+        return (f"{self.truncated} of {self.n} conversations ({share:.1f}%) are longer than llm.max_seq_len = "
                 f"{self.max_seq_len} tokens and were cut (their tail is not trained on); lengths: median "
                 f"{self.median:g}, 95th percentile {self.p95:g}, longest {self.longest}. To keep more, {hint}.")
 

@@ -1,0 +1,257 @@
+"""The configuration's shape: frozen dataclasses, one per preset section, each field with its help.
+
+Every field carries its help text, range and choices in its metadata (``setting(...)``); the
+validator and ``imglora config --keys`` read them from there, so a field is declared in exactly one
+place. ``resume_safe=True`` marks what may differ on ``--resume`` (it does not change what is
+trained: logging, checkpoint frequency, where files go); ``moved_from`` names the key a field had in
+an older schema, for the migration.
+
+Sections here are shared by every family. A family's own keys live in its own section (``[name]``,
+declared in ``families/<name>/config.py`` with the same ``setting`` helper), so a key meant for
+another family is an error, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .toml_io import dumps_toml
+
+SCHEMA_VERSION = 2
+REQUIRED = dataclasses.MISSING
+
+
+def setting(default: Any = REQUIRED, help: str = "", *, min: float | None = None, max: float | None = None,
+            min_exclusive: bool = False, resume_safe: bool = False, moved_from: str | None = None) -> Any:
+    """A config field: its default, help text, numeric range, resume safety and former key."""
+    meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive, "resume_safe": resume_safe,
+            "moved_from": moved_from}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
+    if default is REQUIRED:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DType = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = setting(help="Model family; `imglora config --keys` lists the installed ones.")
+    path: str = setting(help="A local diffusers/transformers folder, a hub id already in the local Hugging Face "
+                             "cache, or tiny:<family> (a tiny random model built offline).")
+    dtype: DType = setting("bf16", help="Precision of the frozen base weights on a GPU (fp32 on CPU).")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = setting("", help="Image folder with same-name .txt captions; N_name subfolders repeat N times.",
+                       resume_safe=True)
+    resolution: int = setting(1024, help="Target side length; buckets keep the area close to resolution².",
+                              min=64, max=4096)
+    buckets: bool = setting(True, help="Aspect-ratio buckets; false crops every image to a square.")
+    bucket_step: int = setting(0, help="Bucket sides are multiples of this; 0 = the family's.", min=0, max=512)
+    min_bucket_side: int = setting(256, help="Smallest bucket side.", min=16, max=8192)
+    max_bucket_side: int = setting(2048, help="Largest bucket side.", min=16, max=8192)
+    caption_ext: str = setting(".txt", help="Extension of caption files beside the images.")
+    missing_caption: Literal["error", "default"] = setting(
+        "error", help="An image without a caption is an error, or gets default_caption.")
+    default_caption: str = setting("", help="Caption for images without one when missing_caption = \"default\".")
+    trigger_word: str = setting("", help="Prepended to every caption that does not already contain it.")
+    crop: Literal["center", "random"] = setting("center", help="Crop to the bucket at the center or at a "
+                                                "seeded random offset (fixed per image, so it can be cached).")
+    flip: bool = setting(False, help="Also train on horizontally flipped images (both are cached).")
+    skip_bad_images: bool = setting(False, help="Skip unreadable images with a warning instead of failing.")
+    repeats: int = setting(1, help="Repeats for images directly in data.dir.", min=1, max=10000)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    dir: str = setting(".imglora/cache", help="Where latents and text-encoder outputs are cached.", resume_safe=True)
+    encoder_dtype: Literal["auto", "fp32", "bf16", "fp16"] = setting(
+        "auto", help="Precision of the VAE and text encoders while caching; auto = bf16 on CUDA, fp32 on CPU.")
+    text_max_length: int = setting(0, help="Token length of cached text embeddings; 0 = the family's default.",
+                                   min=0, max=4096)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = setting(16, help="LoRA rank (dimension).", min=1, max=1024)
+    alpha: float = setting(0.0, help="LoRA alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
+                           min=0.0, max=65536.0)
+    dropout: float = setting(0.0, help="Dropout on the LoRA path.", min=0.0, max=0.99)
+    targets: list[str] = setting([], help="Module names to adapt (peft target_modules); empty = the family's defaults.")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    max_cost: float = setting(0.0, help="Stop (with a checkpoint) when the projected session cost exceeds this; "
+                                        "0 = no limit. Needs hourly_rate.", min=0.0, max=1e9, resume_safe=True)
+    hourly_rate: float = setting(0.0, help="What the machine costs per hour, in your currency.", min=0.0, max=1e6,
+                                 resume_safe=True)
+    max_hours: float = setting(0.0, help="Stop (with a checkpoint) when the projected session exceeds this many "
+                                         "hours; 0 = no limit.", min=0.0, max=1e6, resume_safe=True)
+    smoke_steps: int = setting(20, help="Measured updates (after warm-up) before the session is projected.",
+                               min=1, max=100_000, resume_safe=True)
+    currency: str = setting("USD", help="Shown with costs.", resume_safe=True)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = setting(0, help="Optimizer updates to run; 0 = use epochs.", min=0, max=10_000_000)
+    epochs: int = setting(0, help="Passes over the dataset (with repeats), used when max_steps = 0.",
+                          min=0, max=100_000)
+    learning_rate: float = setting(1e-4, help="Peak learning rate.", min=0.0, max=1.0, min_exclusive=True)
+    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = setting(
+        "adamw", help="adamw (torch), adamw8bit (bitsandbytes) or adafactor (transformers).")
+    weight_decay: float = setting(0.01, help="Decoupled weight decay.", min=0.0, max=1.0)
+    adam_beta1: float = setting(0.9, help="AdamW beta1.", min=0.0, max=0.99999)
+    adam_beta2: float = setting(0.999, help="AdamW beta2.", min=0.0, max=0.99999)
+    adam_eps: float = setting(1e-8, help="AdamW epsilon.", min=0.0, max=1.0, min_exclusive=True)
+    scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = setting(
+        "constant", help="Learning-rate schedule after the linear warmup (diffusers' get_scheduler, as kohya "
+                         "sd-scripts): constant, linear or cosine decay to 0, cosine_with_restarts, polynomial.")
+    scheduler_cycles: int = setting(1, help="cosine_with_restarts: number of hard restarts.", min=1, max=10_000)
+    scheduler_power: float = setting(1.0, help="polynomial: decay power (1 = linear), down to 1e-7.", min=0.0,
+                                     max=100.0, min_exclusive=True)
+    warmup_steps: int = setting(0, help="Linear warmup, in optimizer updates.", min=0, max=10_000_000)
+    batch_size: int = setting(1, help="Images per micro-batch.", min=1, max=1024)
+    grad_accum: int = setting(1, help="Micro-batches per optimizer update.", min=1, max=1024)
+    max_grad_norm: float = setting(1.0, help="Gradient clipping norm; 0 = off.", min=0.0, max=1e6)
+    seed: int = setting(42, help="Seed for data order, noise and LoRA init.", min=0, max=2**32 - 1)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = setting(
+        "auto", help="auto = bf16 on CUDA, none on CPU.")
+    checkpoint_every: int = setting(0, help="Save a checkpoint every N updates; 0 = only at the end.",
+                                    min=0, max=10_000_000, resume_safe=True)
+    keep_checkpoints: int = setting(3, help="How many of the newest checkpoints to keep.", min=1, max=100_000,
+                                    resume_safe=True)
+    log_every: int = setting(10, help="Log loss and timing every N updates (each log is a host-device sync).",
+                             min=1, max=100_000, resume_safe=True)
+    eval_after: bool = setting(False, help="Run `imglora eval` in a fresh process after training.", resume_safe=True)
+    budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Budget guard."})
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    gradient_checkpointing: bool = setting(True, help="Recompute activations in backward to save memory.",
+                                           resume_safe=True)
+    fp8: bool = setting(False, help="Store frozen base weights as float8 (optimum-quanto qfloat8).")
+    blocks_to_swap: int = setting(0, help="Transformer blocks kept in host memory and streamed to the GPU as they "
+                                          "run; the family says how a count maps onto its block lists (as kohya "
+                                          "sd-scripts counts).", min=0, max=1000, resume_safe=True)
+    quantization: Literal["none", "qint4", "nf4"] = setting(
+        "none", help="4-bit frozen base weights: qint4 (optimum-quanto) or nf4 (bitsandbytes, CUDA), where the "
+                     "family supports it.")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    prompts: list[str] = setting([], help="Prompts for the evaluation pass; empty = a few defaults with the "
+                                          "trigger word.", resume_safe=True)
+    sample_steps: int = setting(20, help="Sampler steps per evaluation image.", min=1, max=1000, resume_safe=True)
+    guidance_scale: float = setting(0.0, help="Guidance at evaluation; 0 = the family's default.", min=0.0,
+                                    max=100.0, resume_safe=True)
+    seed: int = setting(0, help="Seed of the evaluation images.", min=0, max=2**32 - 1, resume_safe=True)
+    holdout: int = setting(0, help="Images held out of training for the held-out loss.", min=0, max=100_000)
+    every: int = setting(0, help="Validation loss on the held-out data every N updates during training; 0 = off.",
+                         min=0, max=10_000_000, resume_safe=True)
+    holdout_dir: str = setting("", help="A folder of captioned images used only for the held-out loss (in addition "
+                                        "to eval.holdout); never trained on.")
+    strengths: list[float] = setting([0.0, 0.5, 1.0], help="Adapter strengths of the evaluation images; 0 = the base "
+                                                           "model (the columns of the contact sheet).", resume_safe=True)
+    fp8: Literal["same", "on", "off"] = setting("same", help="FP8 base weights during evaluation; same = as "
+                                                             "memory.fp8 in training.", resume_safe=True)
+    blocks_to_swap: int = setting(-1, help="Blocks swapped during evaluation (as memory.blocks_to_swap); -1 = as in "
+                                           "training.", min=-1, max=1000, resume_safe=True)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    comfyui_dir: str = setting("", help="ComfyUI folder to export into (models/loras).", resume_safe=True)
+    name: str = setting("", help="File name of the export; empty = run.name.", resume_safe=True)
+    dtype: DType = setting("bf16", help="Precision of the exported tensors.", resume_safe=True)
+    format: str = setting("default", help="Key layout of the export: default, or one the family offers "
+                                          "(e.g. kohya).", resume_safe=True)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = setting("", help="Run folder name; empty = the preset's file name.", resume_safe=True)
+    output_dir: str = setting("runs", help="Parent folder of run folders.", resume_safe=True)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "cache": CacheConfig, "lora": LoraConfig,
+    "train": TrainConfig, "memory": MemoryConfig, "eval": EvalConfig, "export": ExportConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    version: int
+    model: ModelConfig
+    data: DataConfig
+    cache: CacheConfig
+    lora: LoraConfig
+    train: TrainConfig
+    memory: MemoryConfig
+    eval: EvalConfig
+    export: ExportConfig
+    run: RunConfig
+    family: Any = None  # the family's own section ([<model.family>]), a dataclass of the family's, or None
+    source: str = ""  # the preset file; not part of the configuration's identity
+    notes: tuple[str, ...] = ()  # what loading changed on its own (migrated keys); said to the user, not identity
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        if self.family is not None:
+            out[self.model.family] = dataclasses.asdict(self.family)
+        return out
+
+    def to_toml(self) -> str:
+        return dumps_toml(self.to_dict())
+
+    def replace(self, **sections: dict[str, Any]) -> "Config":
+        """A copy with some fields changed, e.g. ``cfg.replace(train={"max_steps": 5})`` (unchecked);
+        ``family={...}`` changes the family's own section."""
+        changes = {k: dataclasses.replace(getattr(self, k), **v) for k, v in sections.items()}
+        return dataclasses.replace(self, **changes)
+
+    def hash(self, sections: tuple[str, ...] | None = None) -> str:
+        """sha256 of the resolved configuration (or some sections of it)."""
+        d = self.to_dict()
+        if sections is not None:
+            d = {k: d[k] for k in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def resume_safe_keys(cfg: Config) -> set[str]:
+    """Dotted keys that may differ on ``--resume`` (fields marked ``resume_safe``)."""
+    out: set[str] = set()
+
+    def walk(prefix: str, cls: type) -> None:
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or (isinstance(f.default_factory, type)
+                                                    and dataclasses.is_dataclass(f.default_factory)):
+                walk(f"{prefix}{f.name}.", f.default_factory if f.default_factory is not REQUIRED else f.type)
+            elif f.metadata.get("resume_safe"):
+                out.add(prefix + f.name)
+
+    for name, cls in SECTIONS.items():
+        walk(f"{name}.", cls)
+    if cfg.family is not None:
+        walk(f"{cfg.model.family}.", type(cfg.family))
+    return out

@@ -1,0 +1,171 @@
+"""What the diffusers image families (SDXL, FLUX) do the same way.
+
+Plain functions whose first argument is the family; a family class names them as its methods
+(``vae_folders = diffusers_image.vae_folders``). That shares the code without a base class, so each
+family file still shows every method it has.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .. import devices
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..config import Config
+
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' load_lora_weights looks for
+
+
+def vae_folders(family: Any, model_dir: Path) -> list[Path]:
+    return [model_dir / "vae"]
+
+
+def text_folders(family: Any, model_dir: Path) -> list[Path]:
+    return [model_dir / n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
+
+
+def load_vae(family: Any, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype).to(device).eval()
+
+
+def prepare_data(family: Any, cfg: "Config", model_dir: Path, device: torch.device) -> Any:
+    from ..data.cache import prepare_images
+
+    return prepare_images(cfg, family, model_dir, device)
+
+
+def data_version(family: Any, cfg: "Config") -> str:
+    """The training images' content version, from a scan (no encoder, no model)."""
+    from ..data.dataset import dataset_version
+    from ..data.scan import scan, split_holdout
+
+    return dataset_version(split_holdout(cfg, scan(cfg, family))[0].items)
+
+
+def collate(family: Any, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    from ..data.batches import stack
+
+    return stack(entries)
+
+
+def check_config(family: Any, cfg: "Config", where: Callable[[str], str], problems: list[str]) -> None:
+    if not cfg.data.dir:
+        problems.append(f"{where('data.dir')}: missing required key for the {family.name} family (the folder of "
+                        "training images)")
+    if cfg.export.format not in family.export_formats:
+        problems.append(f"{where('export.format')}: {cfg.export.format!r} is not a {family.name} export form; "
+                        f"choose one of {', '.join(family.export_formats)}")
+
+
+# -- adapters -------------------------------------------------------------------------------------
+
+
+def save_adapter(family: Any, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path:
+    """Write ``folder/pytorch_lora_weights.safetensors`` as ``<Pipeline>.load_lora_weights`` reads it.
+
+    Keys are ``<unet|transformer>.<module>.lora_A.weight``; the LoRA config (rank and alpha) goes
+    into the header so diffusers applies alpha / rank exactly, also when alpha differs from rank.
+    """
+    import diffusers
+
+    from ..lora import adapter_state_dict
+
+    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_config.to_dict().items()}
+    pipeline = getattr(diffusers, family.pipeline)
+    pipeline.save_lora_weights(folder, **{f"{family.denoiser}_lora_layers": adapter_state_dict(model),
+                                          f"{family.denoiser}_lora_adapter_metadata": meta})
+    return folder / ADAPTER_FILE
+
+
+def read_adapter(family: Any, folder: Path) -> dict[str, torch.Tensor]:
+    """The LoRA state (keys without the ``unet.``/``transformer.`` prefix) of a saved adapter."""
+    from safetensors.torch import load_file
+
+    prefix = f"{family.denoiser}."
+    weights = load_file(str(Path(folder) / ADAPTER_FILE))
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+# -- the evaluation pass ---------------------------------------------------------------------------
+
+
+def default_prompts(family: Any, cfg: "Config", n: int = 2) -> list[str]:
+    """The captions of the first held-out images (else training images), each with and without the
+    trigger word, so the rows show what the trigger adds and whether the adapter leaks into prompts
+    without it. The trigger is data.trigger_word, or else the first comma-separated tag when every
+    caption starts with the same one (kohya-style "sks toy, ..." captions)."""
+    from ..data.scan import scan, split_holdout
+
+    train, held = split_holdout(cfg, scan(cfg, family))
+    captions = list(dict.fromkeys(i.caption for i in (*held.items, *train.items)))
+    trigger = cfg.data.trigger_word.strip() or _shared_first_tag([i.caption for i in train.items])
+    prompts: list[str] = []
+    for caption in captions[:n]:
+        prompts.append(caption)
+        if trigger:
+            without = re.sub(rf"(?<!\w){re.escape(trigger)}(?!\w)\s*,?\s*", "", caption).strip(" ,")
+            if without and without != caption:
+                prompts.append(without)
+    return prompts or ([trigger] if trigger else ["a photo"])
+
+
+def _shared_first_tag(captions: list[str]) -> str:
+    if len(captions) < 2 or not all("," in c for c in captions):
+        return ""
+    firsts = {c.split(",", 1)[0].strip() for c in captions}
+    return firsts.pop() if len(firsts) == 1 else ""
+
+
+def encode_prompts(family: Any, model_dir: Path, prompts: list[str], cfg: "Config",
+                   device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Prompt embeddings as the cache computes captions' (same encoders, precision and length),
+    then the encoders are freed: they are never in memory together with the denoiser."""
+    encoders = family.load_text_encoders(model_dir, device, devices.dtype(devices.encoder_dtype_name(
+        cfg.cache.encoder_dtype, device)))
+    max_len = cfg.cache.text_max_length or family.text_max_length
+    out = [family.encode_text(encoders, p, max_len) for p in prompts]
+    del encoders
+    devices.free(device)
+    return out
+
+
+def sample_size(cfg: "Config", family: Any) -> int:
+    """The square side of evaluation images: data.resolution, a multiple of the family's bucket step."""
+    step = family.bucket_step
+    return max(step, cfg.data.resolution // step * step)
+
+
+def diffusers_sampler(family: Any, model_dir: Path, model: torch.nn.Module, cfg: "Config", device: torch.device,
+                      dtype: torch.dtype, default_guidance: float) -> Callable[..., Any]:
+    """A sampler over the family's diffusers pipeline built around the trained (LoRA-injected)
+    denoiser, without text encoders: prompts arrive as embeddings (see encode_prompts)."""
+    import diffusers
+
+    diffusers.utils.logging.disable_progress_bar()  # imglora prints its own progress
+    vae = family.load_vae(model_dir, device, dtype)
+    none = {name: None for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir, vae=vae, **none,
+                                                               **{family.denoiser: model})
+    pipe.set_progress_bar_config(disable=True)
+    size = sample_size(cfg, family)
+    guidance = cfg.eval.guidance_scale or default_guidance
+    steps = cfg.eval.sample_steps
+
+    @torch.no_grad()
+    def sample(embeds: dict[str, torch.Tensor], seed: int) -> "Image.Image":
+        kwargs = {k: embeds[k][None].to(device, model.dtype) for k in ("prompt_embeds", "pooled_prompt_embeds")}
+        # A CPU generator: the same image on any device for the same seed (diffusers draws there).
+        return pipe(**kwargs, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
+                    generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+
+    sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
+    return sample

@@ -1,0 +1,136 @@
+"""FLUX.1: flow-matching transformer LoRA on cached VAE latents and cached CLIP-L + T5 outputs.
+
+Everything about the family is in this folder: loading and the loss (``model``), its preset section
+(``config``), its swappable blocks and kohya's swap count (``swap``), its export key forms
+(``keys``), its ComfyUI workflow (``comfyui``), its tiny model (``tiny``). It implements every
+protocol of ``imglora.family`` except ``Mergeable``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import diffusers_image as common
+from . import comfyui, keys, model, swap, tiny
+from .config import FluxConfig
+
+
+class FluxFamily:
+    name = "flux"
+    section = FluxConfig
+    model_marker = "model_index.json"
+    adapter_file = common.ADAPTER_FILE
+    adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
+    bucket_step = 16
+    text_max_length = model.TEXT_MAX_LENGTH
+    lora_targets = (
+        # double blocks: image and text streams
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        # single blocks
+        "proj_mlp", "proj_out",
+    )
+    # Only inside the blocks: the final projection is also called proj_out.
+    lora_scope = r"(transformer_blocks|single_transformer_blocks)\.\d+\."
+    quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
+    quantizations: tuple[str, ...] = ()
+    swappable_blocks = swap.BLOCK_LISTS
+    export_formats = keys.FORMATS
+    pipeline = "FluxPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
+    denoiser = "transformer"  # its subfolder and the adapter keys' prefix
+
+    # Shared with the other diffusers image family (see diffusers_image).
+    vae_folders = common.vae_folders
+    text_folders = common.text_folders
+    load_vae = common.load_vae
+    prepare_data = common.prepare_data
+    data_version = common.data_version
+    collate = common.collate
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    default_prompts = common.default_prompts
+    encode_prompts = common.encode_prompts
+
+    def check_config(self, cfg: Any, where: Callable[[str], str], problems: list[str]) -> None:
+        common.check_config(self, cfg, where, problems)
+        f = cfg.family
+        if cfg.memory.blocks_to_swap and (f.double_blocks_to_swap >= 0 or f.single_blocks_to_swap >= 0):
+            problems.append(f"{where('memory.blocks_to_swap')}: give either memory.blocks_to_swap or "
+                            "flux.double_blocks_to_swap/single_blocks_to_swap, not both")
+
+    def build_tiny(self, dest: Path, seed: int) -> None:
+        tiny.build(dest, seed)
+
+    # -- cache ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        latents = (latents[0] - vae.config.shift_factor) * vae.config.scaling_factor
+        return {"latents": latents.float().cpu()}
+
+    def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        return (
+            CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
+            T5TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer_2"),
+            CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype).to(device).eval(),
+            T5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder_2", torch_dtype=dtype).to(device).eval(),
+        )
+
+    @torch.no_grad()
+    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        # As FluxPipeline.encode_prompt: CLIP-L pooled output (77 tokens) and T5 last hidden state.
+        clip_tok, t5_tok, clip, t5 = encoders
+        ids = clip_tok(caption, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
+                       return_tensors="pt").input_ids.to(clip.device)
+        pooled = clip(ids, output_hidden_states=False).pooler_output
+        ids = t5_tok(caption, padding="max_length", max_length=max_length, truncation=True,
+                     return_tensors="pt").input_ids.to(t5.device)
+        t5_out = t5(ids, output_hidden_states=False)[0]
+        return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        """Tokens of the caption against what T5 reads. CLIP-L only gives the pooled vector from its
+        first 77 tokens, as in FluxPipeline, so a longer caption is not cut off for FLUX."""
+        _, t5_tok, _, _ = encoders
+        return {"T5": (len(t5_tok(caption).input_ids), max_length)}
+
+    # -- training ---------------------------------------------------------------------------
+    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(model_dir, cfg, dtype)
+
+    def full_trainable(self, cfg: Any, dtype: torch.dtype) -> Any:
+        return model.full_trainable(cfg, dtype)
+
+    def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        return model.synthetic_batch(trainable, resolution, cfg, device)
+
+    # -- block swapping ---------------------------------------------------------------------
+    def block_counts(self, model_dir: Path) -> list[int]:
+        return swap.block_counts(model_dir)
+
+    def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
+        return swap.swap_counts(lengths, cfg, override)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def load_sampler(self, model_dir: Path, denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Callable[..., Any]:
+        # FLUX.1-dev is guidance-distilled: 3.5 is its usual embedded guidance at inference.
+        return common.diffusers_sampler(self, model_dir, denoiser, cfg, device, dtype, default_guidance=3.5)
+
+    # -- export -----------------------------------------------------------------------------
+    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt)
+
+    def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+        return keys.metadata(cfg, record)
+
+    def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
+                      with_clip: bool) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, with_clip=with_clip)
+

@@ -1,0 +1,130 @@
+"""FLUX.1's trained module and loss: flow matching on packed 2×2 latent patches with image/text
+position ids, target ``noise - latents``, the guidance embedding, timestep sampling as kohya does."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...tiny import random_init
+
+
+def load_trainable(model_dir: Path, cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
+    from diffusers import FluxTransformer2DModel
+
+    # Loaded on the CPU: fp8 quantization and block swapping decide what goes to the device.
+    transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype)
+    if cfg.memory.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return FluxTrainable(transformer, cfg.family)
+
+
+def full_trainable(cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
+    """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**FULL_TRANSFORMER)
+    transformer = random_init(transformer, dtype)
+    if cfg.memory.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return FluxTrainable(transformer, cfg.family)
+
+
+def synthetic_batch(trainable: "FluxTrainable", resolution: int, cfg: Any,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Random tensors shaped like one cached sample, for benchmarks without a cache."""
+    c = trainable.model.config
+    n, r = cfg.train.batch_size, resolution
+    length = cfg.cache.text_max_length or TEXT_MAX_LENGTH
+    g = torch.Generator().manual_seed(0)
+    return {k: v.to(device) for k, v in {
+        "latents": torch.randn(n, c.in_channels // 4, r // 8, r // 8, generator=g),
+        "prompt_embeds": torch.randn(n, length, c.joint_attention_dim, generator=g),
+        "pooled_prompt_embeds": torch.randn(n, c.pooled_projection_dim, generator=g),
+        "time_ids": torch.zeros(n, 6),
+    }.items()}
+
+
+TEXT_MAX_LENGTH = 512  # T5 tokens, as FluxPipeline encodes prompts for FLUX.1-dev
+
+# FluxTransformer2DModel's defaults are FLUX.1-dev's (19 double + 38 single blocks, 3072 wide);
+# dev also has the guidance embedding. Used by `bench-swap --arch full` before a download.
+FULL_TRANSFORMER: dict[str, Any] = {"guidance_embeds": True}
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] → [B, (H/2)(W/2), 4C]: FLUX sees 2×2 latent patches as tokens."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
+    """Position ids of the packed latent tokens: (0, row, column), as FluxPipeline builds them."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def resolution_shift_mu(image_seq_len: int) -> float:
+    """FLUX.1-dev's inference shift: linear in the token count from (256, 0.5) to (4096, 1.15)."""
+    return 0.5 + (1.15 - 0.5) * (image_seq_len - 256) / (4096 - 256)
+
+
+def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: torch.Generator,
+                  device: torch.device) -> torch.Tensor:
+    """Noise levels σ ∈ (0, 1) for flow matching (kohya sd-scripts' options, same formulas)."""
+    kind = settings.timestep_sampling
+    if kind == "uniform":
+        return torch.rand(n, generator=generator, device=device)
+    if kind == "logit_normal":  # SD3's default: sigmoid of a standard normal
+        return torch.sigmoid(torch.randn(n, generator=generator, device=device))
+    s = torch.sigmoid(settings.sigmoid_scale * torch.randn(n, generator=generator, device=device))
+    if kind == "sigmoid":
+        return s
+    if settings.resolution_dependent_shift:
+        mu = resolution_shift_mu(image_seq_len)
+        return math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    shift = settings.discrete_flow_shift
+    return s * shift / (1 + (shift - 1) * s)
+
+
+class FluxTrainable:
+    """The FLUX transformer and the flow-matching loss on cached latents and text embeddings."""
+
+    def __init__(self, transformer: Any, settings: Any):
+        self.model = transformer
+        self.settings = settings
+        self.guidance = settings.guidance if transformer.config.guidance_embeds else None
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        latents = batch["latents"]
+        device, (n, _, h, w) = latents.device, latents.shape
+        x0 = pack_latents(latents)
+        noise = torch.randn(x0.shape, generator=generator, device=device, dtype=x0.dtype)
+        sigma = sample_sigmas(n, self.settings, x0.shape[1], generator, device)
+        s = sigma.view(n, 1, 1)
+        noisy = (1 - s) * x0 + s * noise
+        dtype = self.model.dtype
+        text = batch["prompt_embeds"]
+        pred = self.model(
+            hidden_states=noisy.to(dtype),
+            timestep=sigma.to(dtype),  # the transformer multiplies by 1000 itself
+            guidance=None if self.guidance is None else torch.full((n,), self.guidance, device=device, dtype=dtype),
+            pooled_projections=batch["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=text.to(dtype),
+            txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
+            img_ids=image_ids(h, w, device).to(dtype),
+            return_dict=False,
+        )[0]
+        per_item = (pred.float() - (noise - x0).float()).pow(2).mean(dim=(1, 2))
+        if self.settings.loss_weighting == "sigma_sqrt":
+            per_item = per_item * sigma.pow(-2.0)
+        elif self.settings.loss_weighting == "cosmap":
+            per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
+        return per_item.mean()

@@ -1,0 +1,118 @@
+"""SDXL: UNet LoRA on cached VAE latents and cached CLIP-L + CLIP-G outputs.
+
+Everything about the family is in this folder: loading and the loss (``model``), its preset section
+(``config``), its export key forms (``keys``), its ComfyUI workflow (``comfyui``), its tiny model
+(``tiny``). It implements ``Family``, ``CacheEncoder``, ``Sampler``, ``Benchable`` and
+``Exportable`` (see ``imglora.family``); its blocks are not swapped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import diffusers_image as common
+from . import comfyui, keys, model, tiny
+from .config import SdxlConfig
+
+
+class SdxlFamily:
+    name = "sdxl"
+    section = SdxlConfig
+    model_marker = "model_index.json"
+    adapter_file = common.ADAPTER_FILE
+    adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
+    bucket_step = 64
+    text_max_length = 77
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    lora_scope = ""
+    quantize_exclude = ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
+    quantizations: tuple[str, ...] = ()
+    export_formats = keys.FORMATS
+    pipeline = "StableDiffusionXLPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
+    denoiser = "unet"  # its subfolder and the adapter keys' prefix
+
+    # Shared with the other diffusers image family (see diffusers_image).
+    check_config = common.check_config
+    vae_folders = common.vae_folders
+    text_folders = common.text_folders
+    load_vae = common.load_vae
+    prepare_data = common.prepare_data
+    data_version = common.data_version
+    collate = common.collate
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    default_prompts = common.default_prompts
+    encode_prompts = common.encode_prompts
+
+    def build_tiny(self, dest: Path, seed: int) -> None:
+        tiny.build(dest, seed)
+
+    # -- cache ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        # The distribution's mean, not a sample: the cache entry is then a pure function of its key.
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        return {"latents": (latents[0] * vae.config.scaling_factor).float().cpu()}
+
+    def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+        return (
+            CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
+            CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer_2"),
+            CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype).to(device).eval(),
+            CLIPTextModelWithProjection.from_pretrained(model_dir, subfolder="text_encoder_2",
+                                                        torch_dtype=dtype).to(device).eval(),
+        )
+
+    @torch.no_grad()
+    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders,
+        # concatenated, and the projected pooled output of the second.
+        tok1, tok2, te1, te2 = encoders
+        hidden = []
+        pooled = None
+        for tok, te in ((tok1, te1), (tok2, te2)):
+            ids = tok(caption, padding="max_length", max_length=max_length, truncation=True,
+                      return_tensors="pt").input_ids.to(te.device)
+            out = te(ids, output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            if te is te2:
+                pooled = out.text_embeds
+        return {"prompt_embeds": torch.cat(hidden, dim=-1)[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        """Tokens of the caption (with BOS/EOS) against what each encoder reads."""
+        tok1, tok2, _, _ = encoders
+        return {"CLIP-L": (len(tok1(caption).input_ids), max_length),
+                "CLIP-G": (len(tok2(caption).input_ids), max_length)}
+
+    # -- training ---------------------------------------------------------------------------
+    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(model_dir, cfg, dtype)
+
+    def full_trainable(self, cfg: Any, dtype: torch.dtype) -> Any:
+        return model.full_trainable(cfg, dtype)
+
+    def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        return model.synthetic_batch(trainable, resolution, cfg, device)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def load_sampler(self, model_dir: Path, denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Callable[..., Any]:
+        # Classifier-free guidance 7 unless eval.guidance_scale says otherwise.
+        return common.diffusers_sampler(self, model_dir, denoiser, cfg, device, dtype, default_guidance=7.0)
+
+    # -- export -----------------------------------------------------------------------------
+    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt)
+
+    def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+        return keys.metadata(cfg, record)
+
+    def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
+                      with_clip: bool) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix)

@@ -1,0 +1,16 @@
+"""The ``[sdxl]`` preset section: settings only the SDXL family reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import setting
+
+
+@dataclass(frozen=True)
+class SdxlConfig:
+    noise_offset: float = setting(0.0, help="Noise offset strength (a per-channel constant shift of the noise, so "
+                                            "the model learns to change overall brightness).", min=0.0, max=1.0,
+                                  moved_from="train.noise_offset")
+    min_snr_gamma: float = setting(0.0, help="Min-SNR-γ loss weighting; 0 = off (5 is common).", min=0.0,
+                                   max=1000.0, moved_from="train.min_snr_gamma")

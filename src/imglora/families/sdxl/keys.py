@@ -1,0 +1,51 @@
+"""SDXL's export forms: the kohya form with diffusers module paths, which ComfyUI maps for every
+UNet Linear/Conv2d (``lora_unet_<path, dots as underscores>``) and text encoder layer
+(``lora_te1_``/``lora_te2_``), and which diffusers loads too. ComfyUI does not map the attention
+layers in the peft layout the trainer saves, so "default" is this form ("kohya" names the same)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ImgloraError
+from ...export import LoraModule, add_unique, kohya_name, kohya_tensors
+
+FORMATS = ("default", "kohya")  # the same form under both names
+KOHYA_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+
+
+def module_name(module: str) -> str:
+    """``unet.down_blocks.1.x.to_q`` -> ``lora_unet_down_blocks_1_x_to_q`` (text encoders: lora_te1_/te2_)."""
+    component, path = module.split(".", 1)
+    if component not in KOHYA_PREFIX:
+        raise ImgloraError(f"no kohya name for SDXL component {component!r}")
+    return kohya_name(KOHYA_PREFIX[component], path)
+
+
+def tensors(modules: dict[str, LoraModule], fmt: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for module, m in modules.items():
+        add_unique(out, kohya_tensors(module_name(module), m))
+    return out
+
+
+def metadata(cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+    return {"ss_network_module": "networks.lora", "ss_base_model_version": "sdxl_base_v1-0",
+            "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
+            "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+            "ss_noise_offset": cfg.family.noise_offset, "ss_min_snr_gamma": cfg.family.min_snr_gamma,
+            "modelspec.prediction_type": _prediction_type(record.get("model_dir"))}
+
+
+def _prediction_type(model_dir: str | None) -> str:
+    if not model_dir:
+        return "epsilon"
+    try:
+        sched = json.loads((Path(model_dir) / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, ValueError):
+        return "epsilon"  # SDXL base 1.0
+    return "v" if sched.get("prediction_type") == "v_prediction" else "epsilon"

@@ -1,0 +1,105 @@
+"""SDXL's trained module and loss: the UNet, epsilon / v-prediction, min-SNR-γ, noise offset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ImgloraError
+from ...tiny import random_init
+
+# stabilityai/stable-diffusion-xl-base-1.0 unet/config.json, for benchmarks before a download.
+FULL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+    use_linear_projection=True, norm_num_groups=32,
+)
+
+
+def load_trainable(model_dir: Path, cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=dtype)
+    if cfg.memory.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    # The training-time view of the noise schedule; the pipeline's sampler config only contributes
+    # the betas and the prediction type.
+    scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+    return SdxlTrainable(unet, scheduler, cfg.family)
+
+
+def full_trainable(cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
+    """The real SDXL UNet architecture with random weights (no download), for benchmarks."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**FULL_UNET)
+    unet = random_init(unet, dtype)
+    if cfg.memory.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              num_train_timesteps=1000)
+    return SdxlTrainable(unet, scheduler, cfg.family)
+
+
+def synthetic_batch(trainable: "SdxlTrainable", resolution: int, cfg: Any,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Random tensors shaped like one cached sample, for benchmarks without a cache."""
+    c = trainable.model.config
+    n, r = cfg.train.batch_size, resolution
+    g = torch.Generator().manual_seed(0)
+    pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+    return {k: v.to(device) for k, v in {
+        "latents": torch.randn(n, c.in_channels, r // 8, r // 8, generator=g),
+        "prompt_embeds": torch.randn(n, 77, c.cross_attention_dim, generator=g),
+        "pooled_prompt_embeds": torch.randn(n, pooled, generator=g),
+        "time_ids": torch.tensor([[r, r, 0, 0, r, r]] * n, dtype=torch.float32),
+    }.items()}
+
+
+class SdxlTrainable:
+    """The UNet and the epsilon / v-prediction loss on cached latents and text embeddings."""
+
+    def __init__(self, unet: Any, scheduler: Any, settings: Any):
+        self.model = unet
+        self.prediction_type = scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ImgloraError(f"scheduler/scheduler_config.json: prediction_type {self.prediction_type!r} is not "
+                               "supported for SDXL training (epsilon or v_prediction)")
+        self.num_timesteps = scheduler.config.num_train_timesteps
+        self.alphas_cumprod = scheduler.alphas_cumprod.to(torch.float32)
+        self.noise_offset = settings.noise_offset
+        self.min_snr_gamma = settings.min_snr_gamma
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        latents = batch["latents"]
+        device, n = latents.device, latents.shape[0]
+        noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+        if self.noise_offset:
+            # A per-channel constant shift teaches the model to change overall brightness.
+            noise = noise + self.noise_offset * torch.randn((n, latents.shape[1], 1, 1), generator=generator,
+                                                            device=device, dtype=latents.dtype)
+        t = torch.randint(0, self.num_timesteps, (n,), generator=generator, device=device)
+        if self.alphas_cumprod.device != device:  # once: a per-step host-to-device copy would sync
+            self.alphas_cumprod = self.alphas_cumprod.to(device)
+        abar = self.alphas_cumprod[t].view(n, 1, 1, 1)
+        noisy = abar.sqrt() * latents + (1 - abar).sqrt() * noise
+        target = noise if self.prediction_type == "epsilon" else abar.sqrt() * noise - (1 - abar).sqrt() * latents
+        dtype = self.model.dtype
+        pred = self.model(
+            noisy.to(dtype), t, encoder_hidden_states=batch["prompt_embeds"].to(dtype),
+            added_cond_kwargs={"text_embeds": batch["pooled_prompt_embeds"].to(dtype),
+                               "time_ids": batch["time_ids"].to(dtype)},
+        ).sample
+        per_item = (pred.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
+        if self.min_snr_gamma:
+            snr = abar.view(n) / (1 - abar.view(n))
+            clipped = torch.clamp(snr, max=self.min_snr_gamma)
+            # Min-SNR-γ (Hang et al. 2023): ε-prediction weight min(snr, γ)/snr; v-prediction min(snr, γ)/(snr+1).
+            per_item = per_item * (clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1))
+        return per_item.mean()

@@ -1,0 +1,118 @@
+"""What the core asks of a model family: a few small protocols, one per capability.
+
+Every family trains (``Family``); the others are optional and the core asks
+``supports(family, Protocol)`` before using one, so a family implements what it has and nothing
+else (no stubs raising ``NotImplementedError``):
+
+* ``CacheEncoder``: images and captions encoded once into the content-keyed cache.
+* ``Sampler``: prompts and samples for the separate evaluation pass.
+* ``Swappable``: block lists that block swapping may stream from host memory, and how a kohya-style
+  swap count maps onto them.
+* ``Benchable``: the full-size architecture with random weights and synthetic batches, for
+  ``bench-swap --arch full`` before a download.
+* ``Exportable``: key forms and metadata of a ComfyUI-ready LoRA, and its ComfyUI workflow.
+* ``Mergeable``: folding an adapter into the full-precision base (``imglora merge``).
+
+Families live in ``imglora.families`` (one folder each, registered in one line); the core never
+imports them. Commands get a family from the registry and pass it in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .data.samples import PreparedData
+
+
+class Trainable(Protocol):
+    """The trained module and the family's loss: the only family code in a training step."""
+
+    model: torch.nn.Module
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Family(Protocol):
+    name: str
+    section: type | None  # the dataclass of its own preset section ([name]), or None
+    model_marker: str  # the file that marks a model folder of this family (model_index.json, config.json)
+    adapter_file: str  # the adapter's main file inside adapter/ and checkpoints' adapter/
+    adapter_format: str  # what that adapter is and what loads it, for messages
+    lora_targets: tuple[str, ...]  # peft target_modules by default
+    lora_scope: str  # regex prefix limiting lora_targets ("" = anywhere)
+    quantize_exclude: tuple[str, ...]  # module patterns kept in high precision under fp8 / 4-bit
+    quantizations: tuple[str, ...]  # 4-bit kinds (memory.quantization) it supports
+
+    def check_config(self, cfg: "Config", where: Callable[[str], str], problems: list[str]) -> None: ...
+    def build_tiny(self, dest: Path, seed: int) -> None: ...  # a tiny random model in the real on-disk layout
+    def data_version(self, cfg: "Config") -> str: ...  # the training data's content hash, without a model
+    def prepare_data(self, cfg: "Config", model_dir: Path, device: torch.device) -> "PreparedData": ...
+    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
+    def load_trainable(self, model_dir: Path, cfg: "Config", device: torch.device, dtype: torch.dtype) -> Trainable: ...
+    def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path: ...  # the main file
+    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]: ...  # LoRA state keyed by module path
+
+
+@runtime_checkable
+class CacheEncoder(Protocol):
+    bucket_step: int  # bucket sides are multiples of this
+    text_max_length: int  # default token length of cached text embeddings
+
+    def vae_folders(self, model_dir: Path) -> list[Path]: ...  # what the latents' identity hashes
+    def text_folders(self, model_dir: Path) -> list[Path]: ...  # what the text entries' identity hashes
+    def load_vae(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any: ...
+    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]: ...
+    def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any: ...
+    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]: ...
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]: ...
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    def default_prompts(self, cfg: "Config") -> list[str]: ...
+    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: "Config", device: torch.device) -> list[Any]: ...
+    def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: "Config", device: torch.device,
+                     dtype: torch.dtype) -> Callable[[Any, int], Any]: ...  # (encoded prompt, seed) -> image or text
+
+
+@runtime_checkable
+class Swappable(Protocol):
+    swappable_blocks: tuple[str, ...]  # attribute paths of the block lists, in execution order
+
+    def block_counts(self, model_dir: Path) -> list[int]: ...  # blocks per list, from the config alone
+    def swap_counts(self, lengths: list[int], cfg: "Config", override: int | None = None) -> list[int]: ...
+    # blocks per list to swap: the preset's setting, or ``override`` (a kohya-style total) when given
+
+
+@runtime_checkable
+class Benchable(Protocol):
+    def full_trainable(self, cfg: "Config", dtype: torch.dtype) -> Trainable: ...
+    def synthetic_batch(self, trainable: Trainable, resolution: int, cfg: "Config",
+                        device: torch.device) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class Exportable(Protocol):
+    export_formats: tuple[str, ...]  # the first is the default
+
+    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]: ...
+    def export_metadata(self, cfg: "Config", record: dict[str, Any]) -> dict[str, Any]: ...  # ss_*, modelspec.*
+    def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
+                      with_clip: bool) -> list[Any]: ...  # comfyui.Node table: base -> LoRA -> sampler -> image
+
+
+@runtime_checkable
+class Mergeable(Protocol):
+    def merge(self, run_dir: Path, cfg: "Config", out: Path, *, which: str | None, dtype: str, force: bool,
+              log: Callable[[str], None]) -> Path: ...
+
+
+def supports(family: Any, capability: type) -> bool:
+    """Whether ``family`` implements one of the protocols above."""
+    return isinstance(family, capability)

@@ -1,0 +1,164 @@
+"""One optimizer update, the same for training, ``bench-swap`` and the evaluation pass's loss.
+
+``Session`` holds what an update needs (the model with LoRA and its memory features, the optimizer,
+the schedule, mixed precision through accelerate); ``build_session`` makes it the same way wherever
+it is used, and ``step`` runs one update: the family's loss on each micro-batch, backward, clipping,
+the optimizer and the schedule. A step does the model's math and nothing else: no ``.item()`` (a
+host-device sync), no file I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from . import devices, lora
+from .errors import ImgloraError
+from .memory.wrap import MemorySetup, apply_memory
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .family import Family, Trainable
+
+
+@dataclass
+class Session:
+    accelerator: Any
+    trainable: "Trainable"
+    memory: MemorySetup
+    lora_config: Any
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None
+    accum: int
+    max_grad_norm: float
+    stage: str = "setup"  # what ``step`` is doing: "forward", "backward", "optimizer" (for failure reports)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.trainable.model)
+
+
+def accelerator_for(cfg: "Config") -> Any:
+    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU)."""
+    from accelerate import Accelerator
+
+    return Accelerator(mixed_precision=devices.mixed_precision(cfg, devices.default_device()))
+
+
+def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device,
+          out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> tuple[Any, MemorySetup]:
+    """LoRA on the loaded model, then its memory features; the same for training, bench and eval.
+
+    Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
+    """
+    lora_config = lora.inject(trainable.model, family, cfg.lora, cfg.train.seed)
+    for p in lora.trainable_parameters(trainable.model):
+        p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
+    return lora_config, apply_memory(trainable.model, family, cfg, device, out, blocks_to_swap)  # fp8, swap, device
+
+
+def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accelerator: Any, *, total: int | None,
+                  out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> Session:
+    """LoRA, memory features, optimizer and (with ``total`` updates) the learning-rate schedule."""
+    lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out, blocks_to_swap)
+    trainable.model.train()
+    params = lora.trainable_parameters(trainable.model)
+    optimizer = make_optimizer(cfg, params)
+    scheduler = make_scheduler(cfg, optimizer, total) if total is not None else None
+    # The swap engine places the model's tensors itself; accelerate must not move them again.
+    trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
+                                                     device_placement=[memory.swapper is None, True])
+    return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
+                   cfg.train.max_grad_norm)
+
+
+def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, torch.Tensor],
+                 generator: torch.Generator, autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+    """The family's loss on one micro-batch (block swapping's prefetch started first)."""
+    memory.before_forward()
+    with autocast():
+        return trainable.loss(batch, generator)
+
+
+def step(s: Session, micro_batches: Iterable[dict[str, torch.Tensor]], generator: torch.Generator,
+         loss_sum: torch.Tensor) -> None:
+    """One optimizer update over ``micro_batches`` (gradient accumulation); adds the update's loss to
+    ``loss_sum``, a device tensor, so nothing waits for the device here."""
+    for batch in micro_batches:
+        s.stage = "forward"
+        loss = forward_loss(s.trainable, s.memory, batch, generator, s.accelerator.autocast) / s.accum
+        s.stage = "backward"
+        s.accelerator.backward(loss)
+        loss_sum += loss.detach()
+    s.stage = "optimizer"
+    if s.max_grad_norm:
+        s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm)
+    s.optimizer.step()
+    if s.scheduler is not None:
+        s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def validation_loss(trainable: "Trainable", memory: MemorySetup, samples: list[Any], collate: Callable,
+                    device: torch.device, seed: int, autocast: Callable[[], Any] = contextlib.nullcontext) -> float:
+    """Mean loss over held-out samples with fixed noise per sample: comparable across updates and runs."""
+    model = trainable.model
+    was_training = model.training
+    model.eval()  # no dropout
+    total = 0.0
+    for i, sample in enumerate(samples):
+        batch = {k: v.to(device) for k, v in collate([sample.variants[0]]).items()}
+        gen = torch.Generator(device=device).manual_seed(seed + 7919 * i)
+        total += float(forward_loss(trainable, memory, batch, gen, autocast))
+    model.train(was_training)
+    return total / len(samples)
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+
+
+def make_optimizer(cfg: "Config", params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                 weight_decay=t.weight_decay)
+    if t.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=t.learning_rate, relative_step=False, scale_parameter=False, warmup_init=False,
+                         weight_decay=t.weight_decay)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ImgloraError("train.optimizer = \"adamw8bit\" needs bitsandbytes: `pip install bitsandbytes` "
+                           "(CUDA only), or set train.optimizer = \"adamw\"") from None
+    return bnb.optim.AdamW8bit(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                               weight_decay=t.weight_decay)
+
+
+def make_scheduler(cfg: "Config", optimizer: torch.optim.Optimizer, total: int) -> Any:
+    """diffusers' learning-rate schedules (as kohya sd-scripts uses them), by ``train.scheduler``;
+    "constant" with warmup steps is diffusers' "constant_with_warmup"."""
+    from diffusers.optimization import get_scheduler
+
+    t = cfg.train
+    name = "constant_with_warmup" if t.scheduler == "constant" and t.warmup_steps else t.scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total,
+                         num_cycles=t.scheduler_cycles, power=t.scheduler_power)
+
+
+def total_updates(cfg: "Config", micro_per_epoch: int) -> int:
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.epochs * micro_per_epoch / cfg.train.grad_accum))

@@ -1,0 +1,93 @@
+"""A run's log: ``log.jsonl`` rows, the progress line, the loss-curve PNG, TensorBoard events."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import atomic, telemetry
+
+
+def append(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def read(path: Path, upto: int) -> list[dict[str, Any]]:
+    """Rows up to the resumed update; later rows (from the interrupted attempt) are dropped."""
+    if not path.exists():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:  # e.g. the last line of a run killed mid-write
+            print(f"warning: {path}:{n} is not a JSON line; dropped", file=sys.stderr)
+            continue
+        if row is not None and row.get("step", 0) <= upto:
+            rows.append(row)
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def progress_line(step: int, total: int, row: dict[str, Any], times: list[float], device: torch.device) -> str:
+    recent = times[-20:]
+    per = sorted(recent)[len(recent) // 2] if recent else row["sec_per_update"]
+    eta = telemetry.fmt_duration(per * (total - step))
+    width = 20
+    filled = int(width * step / total)
+    mem = (f" | peak {telemetry.gib(row['peak_allocated'])} alloc, {telemetry.gib(row['peak_reserved'])} reserved"
+           if device.type == "cuda" else "")
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
+            f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
+
+
+def tensorboard(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def plotting() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss(history: list[dict[str, Any]], path: Path) -> None:
+    if not history:
+        return
+    plt = plotting()
+
+    rows = [r for r in history if "loss" in r]
+    steps = [r["step"] for r in rows]
+    losses = [r["loss"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, losses, lw=1, alpha=0.5, label="training loss")
+    k = max(1, len(losses) // 10)
+    if len(losses) > k > 1:
+        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({k})")
+    val = [r for r in history if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", lw=2, label="validation loss")
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel("loss")
+    ax.set_title(path.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

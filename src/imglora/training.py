@@ -1,0 +1,290 @@
+"""The training loop, shared by every family.
+
+Setup (config → cache → model → LoRA → memory wrappers → optimizer), then a loop whose body is one
+optimizer update (``loop.step``: the model's math and nothing else) and the "every N updates"
+blocks (log, validation, checkpoint), which run outside it. The loop never asks which family it
+trains.
+
+Determinism: update ``s`` seeds the RNGs from (seed, s), and micro-batch ``m`` is a pure function of
+(seed, m), so a resumed run repeats an uninterrupted one bit for bit on the same machine.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import atomic, checkpoint, devices, economics, loop, record, resume, runlog, telemetry
+from .data.batches import Batcher
+from .errors import ImgloraError
+from .memory.wrap import check_swap_counts
+from .models import resolve_model
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .family import Family
+
+WARMUP_UPDATES = 3  # excluded from steady-state timing (allocator warm-up, first-call compilation)
+
+
+class NonFiniteLoss(ImgloraError):
+    pass
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    adapter: Path | None
+    steps_done: int
+    interrupted: bool
+    record: Path
+    signal: str | None = None
+    eval_exit_code: int | None = None  # train.eval_after: the evaluation process's exit code
+
+
+def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, command: str,
+          out: Callable[[str], None]) -> TrainResult:
+    """Train ``cfg``'s adapter into its run folder. ``families`` is the catalog the config came from
+    (a checkpoint's saved config is read with it); ``command`` is how the run was started, quoted in
+    messages that say how to continue it."""
+    run_dir = cfg.run_dir
+    # Everything that can refuse the run is checked before any model is loaded (GPU time costs).
+    resume_from = resume.resume_point(run_dir, cfg, families) if resume_run else None
+    if not resume_run:
+        resume.refuse_existing_run(run_dir, command)
+    resume.check_dependencies(cfg)
+    model_dir = resolve_model(cfg.model.path, family)
+    check_swap_counts(family, model_dir, cfg)
+    if resume_from is not None:
+        resume.check_same_data(resume_from, family.data_version(cfg))
+    accelerator = loop.accelerator_for(cfg)
+    if accelerator.num_processes > 1:
+        raise ImgloraError("multi-GPU training (accelerate launch with more than one process) is not supported "
+                           "yet: run one process per GPU with different runs, or a single process")
+    device = accelerator.device
+    rec = record.RunRecord("train", run_dir, cfg.to_dict())
+    t_setup = time.perf_counter()
+    telemetry.reset_peaks(device)
+
+    # -- setup: data first (encoders are loaded only for missing entries, then freed) ----------
+    with rec.phase("cache"):
+        data = family.prepare_data(cfg, model_dir, device)
+    for w in data.warnings:
+        out(f"warning: {w}")
+    out(f"data: {data.summary}")
+    with rec.phase("load_model"):
+        trainable = family.load_trainable(model_dir, cfg, device, devices.weight_dtype(cfg, device))
+        batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
+        total = loop.total_updates(cfg, batcher.per_epoch)
+        session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
+    n_params = sum(p.numel() for p in session.params)
+    out(f"model: {family.name} from {model_dir}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
+        f"{n_params:,} trainable parameters, device {device}, {total} updates")
+    start = resume.restore(resume_from, family, session, data.version, total, out) if resume_from else 0
+    run = _Run(cfg, family, session, rec, data, total, start, t_setup, out)
+    with rec.phase("checksums"):  # hashed once per file and remembered (record.cached_sha256)
+        rec.set(model_checksums=record.folder_checksums(model_dir))
+    runlog.plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
+    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
+            dataset_version=data.version, dataset_items=len(data.samples), trainable_parameters=n_params,
+            total_updates=total, resumed_from=start or None, memory=session.memory.facts)
+
+    # -- the loop ------------------------------------------------------------------------------
+    accum = cfg.train.grad_accum
+    step = start
+    t_loop = time.perf_counter()
+    with _StopFlag() as stop, rec.phase("train_loop"):
+        for step in range(start + 1, total + 1):
+            seed = loop.step_seed(cfg.train.seed, step)
+            torch.manual_seed(seed)  # LoRA dropout draws from the global RNG
+            gen = torch.Generator(device=device).manual_seed(seed)
+            micro = range((step - 1) * accum, step * accum)
+            loop.step(session, (batcher.batch(i, device) for i in micro), gen, run.loss_sum)
+            run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+            if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
+                run.log(step)  # a sync point, once per log
+            if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
+                run.validate(step)
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
+                    total, run.last_good_ckpt):
+                run.checkpoint(step)
+            if stop.signal or run.stop_signal == "budget":
+                run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
+                break
+    return run.finish(step, time.perf_counter() - t_loop, command)
+
+
+class _Run:
+    """What the "every N updates" blocks share: the log, timing, checkpoints, the budget projection."""
+
+    def __init__(self, cfg: "Config", family: "Family", session: loop.Session, rec: record.RunRecord, data: Any,
+                 total: int, start: int, t_setup: float, out: Callable[[str], None]):
+        self.cfg, self.family, self.s, self.rec, self.data = cfg, family, session, rec, data
+        self.total, self.start, self.t_setup, self.out = total, start, t_setup, out
+        self.run_dir, self.device = cfg.run_dir, session.device
+        self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
+        self.log_path = self.run_dir / "log.jsonl"
+        self.history = runlog.read(self.log_path, upto=start)
+        self.tb = runlog.tensorboard(self.run_dir)
+        self.step_times: list[float] = []
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.last_log_t, self.last_log_step = time.perf_counter(), start
+        self.paused = 0.0  # seconds since the last log spent saving checkpoints
+        self.last_good_ckpt = start
+        self.stop_signal: str | None = None
+        self.projection: economics.Projection | None = None
+
+    def note_non_finite(self, step: int) -> None:
+        self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(self.loss_sum), step, self.first_bad)
+
+    def log(self, step: int) -> None:
+        loss_value = self.loss_sum.item() / (step - self.last_log_step)
+        self.loss_sum.zero_()
+        now = time.perf_counter()
+        # Checkpoint saves since the last log are not update time: the session formula has its own
+        # term for them. (Periodic validation is, amortised.)
+        per_update = (now - self.last_log_t - self.paused) / (step - self.last_log_step)
+        self.paused = 0.0
+        self.step_times += [per_update] * (step - self.last_log_step)
+        self.last_log_t, self.last_log_step = now, step
+        self.check_finite()
+        mem = telemetry.memory(self.device)
+        row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
+               "sec_per_update": per_update, "peak_allocated": mem["peak_allocated"],
+               "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
+        self.history.append(row)
+        runlog.append(self.log_path, row)
+        if self.tb:
+            self.tb.add_scalar("loss", loss_value, step)
+            self.tb.add_scalar("lr", row["lr"], step)
+        self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
+        budget = self.cfg.train.budget
+        if self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps and \
+                step < self.total:
+            if not self.rec.data.get("checkpoint_seconds"):
+                self.checkpoint(step)  # measure what a checkpoint costs rather than guess it (a safe point)
+            ckpt = self.rec.data.get("checkpoint_seconds") or []
+            self.projection = economics.project(
+                budget, step=step, total=self.total, elapsed=time.perf_counter() - self.t_setup,
+                seconds_per_update=telemetry.steady_state(self.step_times, WARMUP_UPDATES)["mean"],
+                checkpoint_every=self.cfg.train.checkpoint_every,
+                seconds_per_checkpoint=sum(ckpt) / len(ckpt) if ckpt else 0.0)
+            self.out(self.projection.text(budget.currency))
+            if self.projection.over:
+                self.stop_signal = "budget"
+
+    def validate(self, step: int) -> None:
+        s = self.s
+        val = loop.validation_loss(s.trainable, s.memory, self.data.validation, self.family.collate, self.device,
+                                   self.cfg.train.seed, s.accelerator.autocast)
+        self.history.append({"step": step, "val_loss": val, "time": time.time()})
+        runlog.append(self.log_path, self.history[-1])
+        self.out(f"  validation loss at update {step}: {val:.4f} ({len(self.data.validation)} held-out examples)")
+
+    def write_adapter(self, folder: Path) -> Path:
+        return self.family.save_adapter(self.s.model, self.s.lora_config, folder)
+
+    def checkpoint(self, step: int) -> Path:
+        self.check_finite()
+        t0 = time.perf_counter()
+        with self.rec.phase("checkpoints"):
+            path = checkpoint.save(self.run_dir, step, write_adapter=self.write_adapter, optimizer=self.s.optimizer,
+                                   scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
+                                   keep=self.cfg.train.keep_checkpoints,
+                                   extra={"dataset_version": self.data.version, "total_updates": self.total})
+        seconds = time.perf_counter() - t0
+        self.rec.data.setdefault("checkpoint_seconds", []).append(round(seconds, 4))
+        self.paused += seconds
+        self.last_good_ckpt = step
+        return path
+
+    def check_finite(self) -> None:
+        bad = int(self.first_bad.item())
+        if bad >= 0:
+            kept = (f"the last good checkpoint (update {self.last_good_ckpt}) is kept in {self.run_dir / 'checkpoints'}"
+                    if self.last_good_ckpt else "no checkpoint had been written yet")
+            raise NonFiniteLoss(
+                f"the loss became NaN or infinite at update {bad}; stopping before anything is saved. Likely causes: "
+                "learning rate too high (try half), fp16 overflow (use bf16), a corrupt cache entry "
+                f"(`imglora cache-latents --verify`), or min_snr/noise settings out of range. {kept}.")
+
+    def finish(self, step: int, loop_seconds: float, command: str) -> TrainResult:
+        """The last checkpoint, the adapter (when the run is complete), plots and the run record."""
+        cfg, rec, out = self.cfg, self.rec, self.out
+        interrupted = self.stop_signal is not None
+        t_finish = time.perf_counter()
+        self.check_finite()
+        if step == self.last_good_ckpt and step > self.start:  # already saved at this update
+            ckpt_path = checkpoint.step_dir(self.run_dir, step)
+        elif step > self.start or not checkpoint.list_checkpoints(self.run_dir):
+            ckpt_path = self.checkpoint(step)
+        else:
+            ckpt_path = None
+        adapter = None
+        if not interrupted:
+            with atomic.atomic_dir(self.run_dir / "adapter") as tmp:
+                adapter = self.run_dir / "adapter" / self.write_adapter(tmp).relative_to(tmp)
+        runlog.plot_loss(self.history, self.run_dir / "loss.png")
+        if self.tb:
+            self.tb.close()
+        targets = self.s.lora_config.target_modules
+        rec.set(finish_seconds=round(time.perf_counter() - t_finish, 3))
+        rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
+                sec_per_update=telemetry.steady_state(self.step_times, WARMUP_UPDATES),
+                peak_memory=telemetry.memory(self.device),
+                final_loss=next((r["loss"] for r in reversed(self.history) if "loss" in r), None),
+                final_val_loss=next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None),
+                adapter=str(adapter) if adapter else None, last_checkpoint=str(ckpt_path) if ckpt_path else None,
+                lora={"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+                      "targets": sorted(targets) if isinstance(targets, set) else targets})
+        if self.projection:
+            actual = time.perf_counter() - self.t_setup
+            rec.set(projection={**self.projection.to_dict(), "actual_seconds": round(actual, 3),
+                                "error_pct": round(100 * (self.projection.seconds - actual) / actual, 2)})
+        rec.set(signal=self.stop_signal)
+        rec_path = rec.write(status="interrupted" if interrupted else "ok")
+        if self.stop_signal == "budget":
+            p = self.projection
+            out(f"stopped by the budget guard at update {step}/{self.total}: the session would take "
+                f"{p.text(cfg.train.budget.currency)}; {p.over}. Checkpoint {ckpt_path}.\n"
+                f"To fit: set train.max_steps to {p.fits_steps} or less, pick a faster swap setting "
+                f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`); then "
+                f"`{command} --resume` continues from here.")
+        elif interrupted:
+            out(f"stopped at update {step}/{self.total}; checkpoint {ckpt_path}. Continue with: {command} --resume")
+        else:
+            ss = telemetry.steady_state(self.step_times, WARMUP_UPDATES)
+            per = f"{ss['median']:.3f} s/update (median after {WARMUP_UPDATES} warm-up updates)" if ss["median"] else ""
+            out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}")
+        return TrainResult(self.run_dir, adapter, step, interrupted, rec_path, self.stop_signal)
+
+
+class _StopFlag:
+    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out
+        self.signal = signum
+        print(f"\n{signal.Signals(signum).name} received: finishing this update, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

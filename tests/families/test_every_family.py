@@ -1,0 +1,122 @@
+"""The contract every registered family keeps, checked on each one's tiny model through the
+protocols the core uses (nothing here names a family): data, loss, gradients, adapter round trip,
+tiny model, config section, and each optional capability it claims."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from imglora import config, lora, loop
+from imglora.commands.common import load_config
+from imglora.data.samples import PreparedData
+from imglora.family import (Benchable, CacheEncoder, Exportable, Family, Mergeable, Sampler, Swappable,
+                            supports)
+from imglora.families import registry
+from imglora.models import resolve_model
+
+REPO = Path(__file__).resolve().parents[2]
+NAMES = registry.names()
+
+
+def small_config(name: str, tmp_path: Path, sample_dataset: Path) -> config.Config:
+    """The family's tiny preset on two sample images (families that read images) in tmp_path."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for stem in ("01_sky", "03_table"):
+        for f in sample_dataset.glob(f"{stem}.*"):
+            shutil.copy(f, data / f.name)
+    return load_config(REPO / "presets" / f"tiny-{name}.toml", [
+        f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
+        f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=2", "train.warmup_steps=0"])
+
+
+@pytest.fixture(params=NAMES)
+def prepared(request, tmp_path: Path, sample_dataset: Path):
+    name = request.param
+    family = registry.get(name)
+    cfg = small_config(name, tmp_path, sample_dataset)
+    model_dir = resolve_model(cfg.model.path, family)
+    data = family.prepare_data(cfg, model_dir, torch.device("cpu"))
+    return family, cfg, model_dir, data
+
+
+def test_is_a_family_with_a_section_a_tiny_model_and_a_data_version(prepared) -> None:
+    family, cfg, model_dir, data = prepared
+    assert supports(family, Family) and registry.get(family.name).name == family.name
+    assert cfg.family is not None and type(cfg.family) is family.section  # its own [name] section
+    assert (model_dir / family.model_marker).is_file()
+    assert isinstance(data, PreparedData) and data.samples and len(data.version) == 64
+    assert family.data_version(cfg) == data.version  # the same version without any model
+
+
+def test_finite_loss_and_gradients_on_lora_only(prepared) -> None:
+    family, cfg, model_dir, data = prepared
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    lora.inject(trainable.model, family, cfg.lora, seed=0)
+    batch = family.collate([data.samples[0].variants[0]])
+    loss = trainable.loss(batch, torch.Generator().manual_seed(0))
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    named = dict(trainable.model.named_parameters())
+    assert all((p.grad is not None) == ("lora_" in n) for n, p in named.items())
+    assert any(p.grad.abs().sum() > 0 for n, p in named.items() if "lora_B" in n)
+
+
+def test_adapter_saves_and_reads_back_exactly(prepared, tmp_path: Path) -> None:
+    family, cfg, model_dir, _ = prepared
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    peft_cfg = lora.inject(trainable.model, family, cfg.lora, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    for n, p in trainable.model.named_parameters():
+        if "lora_" in n:  # B starts at zero: a round trip of zeros would prove nothing
+            p.data = torch.randn(p.shape, generator=gen)
+    saved = {k: v for k, v in lora.adapter_state_dict(trainable.model).items() if "lora_" in k}
+    main_file = family.save_adapter(trainable.model, peft_cfg, tmp_path / "adapter")
+    assert main_file.is_file() and main_file.name == family.adapter_file
+    read = family.read_adapter(tmp_path / "adapter")
+    assert read.keys() == saved.keys() and all(torch.equal(read[k], saved[k]) for k in saved)
+
+
+def test_each_claimed_capability_works(prepared) -> None:
+    family, cfg, model_dir, data = prepared
+    device = torch.device("cpu")
+    if supports(family, CacheEncoder):
+        assert family.bucket_step > 0 and family.text_max_length > 0
+        assert all(p.is_dir() for p in family.vae_folders(model_dir) + family.text_folders(model_dir))
+    if supports(family, Sampler):
+        assert family.default_prompts(cfg)
+    if supports(family, Swappable):
+        counts = family.block_counts(model_dir)
+        trainable = family.load_trainable(model_dir, cfg, device, torch.float32)
+        assert counts == [len(getattr(trainable.model, n)) for n in family.swappable_blocks]
+        assert family.swap_counts(counts, cfg, 0) == [0] * len(counts)
+    if supports(family, Benchable):
+        trainable = family.load_trainable(model_dir, cfg, device, torch.float32)
+        batch = family.synthetic_batch(trainable, 64, cfg, device)
+        with torch.no_grad():
+            assert torch.isfinite(trainable.loss(batch, torch.Generator().manual_seed(0)))
+    if supports(family, Exportable):
+        assert family.export_formats[0] == "default"
+        assert family.comfyui_nodes("x.safetensors", "a photo", "", 0, "imglora/x", False)
+    if supports(family, Mergeable):
+        assert callable(family.merge)
+
+
+def test_one_update_through_the_shared_step(prepared) -> None:
+    family, cfg, model_dir, data = prepared
+    accelerator = loop.accelerator_for(cfg)
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    session = loop.build_session(cfg, family, trainable, accelerator, total=2, out=lambda s: None)
+    before = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
+    loss_sum = torch.zeros(())
+    batch = family.collate([data.samples[0].variants[0]])
+    loop.step(session, [batch], torch.Generator().manual_seed(0), loss_sum)
+    assert torch.isfinite(loss_sum) and loss_sum > 0 and session.stage == "optimizer"
+    after = dict(session.model.named_parameters())
+    assert any(not torch.equal(after[n], v) for n, v in before.items())
+    assert all(p.grad is None for p in session.params)  # zeroed for the next update

@@ -1,0 +1,50 @@
+"""apply_memory on its own: the order LoRA → fp8 → swap, the facts it records, and swap checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from imglora import lora
+from imglora.commands.common import load_config
+from imglora.errors import ImgloraError
+from imglora.families import registry
+from imglora.memory.wrap import apply_memory, check_swap_counts
+from imglora.models import resolve_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def flux_model(*overrides: str):
+    family = registry.get("flux")
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", list(overrides))
+    model_dir = resolve_model(cfg.model.path, family)
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    lora.inject(trainable.model, family, cfg.lora, seed=0)
+    return family, cfg, model_dir, trainable.model
+
+
+def test_fp8_then_swap_with_facts_for_the_record() -> None:
+    family, cfg, _, model = flux_model("memory.fp8=true", "memory.blocks_to_swap=4")
+    lines: list[str] = []
+    setup = apply_memory(model, family, cfg, torch.device("cpu"), lines.append)
+    facts = setup.facts
+    assert facts["fp8"]["quantized_layers"] > 0 and facts["fp8"]["bytes_after"] < facts["fp8"]["bytes_before"]
+    assert facts["swap"]["blocks_per_list"] == {"transformer_blocks": 2, "single_transformer_blocks": 4}
+    assert setup.swapper is not None and setup.swapper.stats.n_swapped == 6
+    assert any(line.startswith("fp8:") for line in lines) and any(line.startswith("block swap:") for line in lines)
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+
+
+def test_an_override_replaces_the_presets_swap_count_and_zero_swaps_nothing() -> None:
+    family, cfg, _, model = flux_model("memory.fp8=false", "memory.blocks_to_swap=4")
+    assert apply_memory(model, family, cfg, torch.device("cpu"), lambda s: None, blocks_to_swap=0).swapper is None
+
+
+def test_swap_settings_the_model_cannot_take_are_refused_from_its_config() -> None:
+    family, cfg, model_dir, _ = flux_model("memory.blocks_to_swap=11")
+    with pytest.raises(ImgloraError, match="memory.blocks_to_swap = 11: swapping 11 blocks means 5 double"):
+        check_swap_counts(family, model_dir, cfg)
+    check_swap_counts(family, model_dir, cfg, blocks_to_swap=4)  # an override that fits is fine
