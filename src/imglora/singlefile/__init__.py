@@ -23,7 +23,17 @@ from .sdxl import load_sdxl, prediction_type, zero_terminal_snr
 from .text import load_clip_l, load_flux_vae, load_t5
 
 __all__ = [
-    "Layout", "describe", "load_sdxl", "prediction_type", "zero_terminal_snr", "flux_plan",
-    "load_flux_transformer", "load_clip_l", "load_t5", "load_flux_vae", "find_model_file", "model_folders",
+    "Layout",
+    "describe",
+    "find_model_file",
+    "flux_plan",
+    "load_clip_l",
+    "load_flux_transformer",
+    "load_flux_vae",
+    "load_sdxl",
+    "load_t5",
+    "model_folders",
+    "prediction_type",
     "tokenizer_dirs",
+    "zero_terminal_snr",
 ]

@@ -8,9 +8,10 @@ model exactly.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def check_file(path: PathLike) -> Path:
 
 
 @contextmanager
-def open_file(path: PathLike) -> Iterator["Reader"]:
+def open_file(path: PathLike) -> Iterator[Reader]:
     """A Reader over ``path``; the header is parsed here, tensors are read (memory-mapped) on demand."""
     from safetensors import safe_open
 

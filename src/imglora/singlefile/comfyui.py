@@ -27,7 +27,7 @@ DEFAULT_FOLDERS = {
 LEGACY_NAMES = {"unet": "diffusion_models", "clip": "text_encoders"}  # folder_paths.map_legacy
 
 
-def comfy_root(folder: PathLike) -> Path:
+def resolve_root(folder: PathLike) -> Path:
     """The ComfyUI folder itself (the portable build nests it one level down as ComfyUI/)."""
     folder = Path(folder).expanduser()
     for candidate in (folder, folder / "ComfyUI"):
@@ -86,12 +86,12 @@ def extra_model_paths(root: Path) -> list[tuple[str, Path, bool]]:
     return out
 
 
-def model_folders(comfy_root_dir: PathLike, kind: str) -> list[Path]:
+def model_folders(comfy_root: PathLike, kind: str) -> list[Path]:
     """The folders ComfyUI searches for ``kind``, in its order (``folder_paths.add_model_folder_path``):
     ``is_default`` folders from the YAML go to the front, each before the previous one; other new
     folders are appended after the built-in ones; a folder already listed only moves, and only
     to the front for is_default."""
-    root = comfy_root(comfy_root_dir)
+    root = resolve_root(comfy_root)
     name = _kind(kind)
     folders = [root / "models" / sub for sub in DEFAULT_FOLDERS[name]]
     for entry_name, folder, is_default in extra_model_paths(root):
@@ -108,11 +108,11 @@ def model_folders(comfy_root_dir: PathLike, kind: str) -> list[Path]:
     return folders
 
 
-def find_model_file(comfy_root_dir: PathLike, kind: str, name: str) -> Path:
+def find_model_file(comfy_root: PathLike, kind: str, name: str) -> Path:
     """The file ComfyUI would load for ``name`` (e.g. "flux1-dev.safetensors", or a subfolder
     path like "flux/ae.safetensors") from folder ``kind``: checkpoints, diffusion_models (or its
     legacy name unet), text_encoders (or clip), vae, loras. The first folder holding it wins."""
-    folders = model_folders(comfy_root_dir, kind)
+    folders = model_folders(comfy_root, kind)
     # folder_paths.get_full_path: names cannot climb out of the folder ("../x" -> "x")
     relative = os.path.relpath(os.path.join(os.sep, name), os.sep)
     for folder in folders:
@@ -127,7 +127,7 @@ def find_model_file(comfy_root_dir: PathLike, kind: str, name: str) -> Path:
                            f"(or add its folder to {EXTRA_PATHS_FILE}), or give its full path.")
 
 
-def tokenizer_dirs(comfy_root_dir: PathLike) -> dict[str, Path]:
+def tokenizer_dirs(comfy_root: PathLike) -> dict[str, Path]:
     """The tokenizers ComfyUI ships: ``{"clip": comfy/sd1_tokenizer, "t5":
     comfy/text_encoders/t5_tokenizer}``.
 
@@ -136,7 +136,7 @@ def tokenizer_dirs(comfy_root_dir: PathLike) -> dict[str, Path]:
     SDXL's second tokenizer, as its diffusers copy has). The T5 one has tokenizer.json but no
     spiece.model: load it with ``T5TokenizerFast``.
     """
-    root = comfy_root(comfy_root_dir)
+    root = resolve_root(comfy_root)
     dirs = {"clip": root / "comfy" / "sd1_tokenizer", "t5": root / "comfy" / "text_encoders" / "t5_tokenizer"}
     expected = {"clip": "vocab.json", "t5": "tokenizer.json"}
     missing = [str(d / expected[k]) for k, d in dirs.items() if not (d / expected[k]).is_file()]

@@ -13,7 +13,8 @@ in-memory dict, hard-codes the FLUX.1 width (3072), and ignores fp8 scale keys.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -80,7 +81,8 @@ def flux_plan(config: Mapping[str, Any]) -> dict[str, Source]:
             norm(d + "attn." + dn, b + bn)
     for i in range(c["num_single_layers"]):
         d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        for rows, dn in zip([*thirds, (3 * hidden, 3 * hidden + mlp)], ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")):
+        parts = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+        for rows, dn in zip([*thirds, (3 * hidden, 3 * hidden + mlp)], parts):
             linear(d + dn, b + "linear1", rows)
         linear(d + "proj_out", b + "linear2")
         linear(d + "norm.linear", b + "modulation.lin")

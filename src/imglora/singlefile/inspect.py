@@ -71,7 +71,7 @@ def describe(path: PathLike) -> Layout:
 def classify(r: Reader) -> Layout:
     keys = r.key_set
     dtypes = tuple(sorted({r.dtype_name(k) for k in r.keys}))
-    base = dict(path=r.path, tensors=len(r.keys), dtypes=dtypes, first_keys=tuple(sorted(keys)[:5]))
+    base = {"path": r.path, "tensors": len(r.keys), "dtypes": dtypes, "first_keys": tuple(sorted(keys)[:5])}
 
     def fp8(names: list[str]) -> bool:
         return any(r.dtype_name(k).startswith("F8") for k in names)
@@ -155,22 +155,23 @@ def classify(r: Reader) -> Layout:
 
 
 _WANTED = {
-    "sdxl-checkpoint": "SDXL checkpoint (e.g. sd_xl_base_1.0.safetensors)",
-    "flux-transformer": "FLUX.1 transformer (e.g. flux1-dev.safetensors)",
-    "clip-l": "CLIP-L text encoder (e.g. clip_l.safetensors)",
-    "t5xxl": "T5-XXL text encoder (e.g. t5xxl_fp16.safetensors)",
-    "vae-sdxl": "SDXL VAE (e.g. sdxl_vae.safetensors)",
-    "vae-flux": "FLUX VAE (ae.safetensors)",
+    "sdxl-checkpoint": "an SDXL checkpoint (e.g. sd_xl_base_1.0.safetensors)",
+    "flux-transformer": "a FLUX.1 transformer (e.g. flux1-dev.safetensors)",
+    "clip-l": "a CLIP-L text encoder (e.g. clip_l.safetensors)",
+    "t5xxl": "a T5-XXL text encoder (e.g. t5xxl_fp16.safetensors)",
+    "vae-sdxl": "an SDXL VAE (e.g. sdxl_vae.safetensors)",
+    "vae-flux": "a FLUX VAE (ae.safetensors)",
 }
 
 
-def expect(path: PathLike, *kinds: str) -> Layout:
-    """``describe(path)``, raising a message that names the file unless its kind is one of ``kinds``."""
+def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
+    """``describe(path)``, raising a message that names the file unless its kind is one of
+    ``kinds`` (or of ``also``: accepted, e.g. checkpoints holding the part, but not suggested)."""
     layout = describe(path)
-    if layout.kind in kinds:
+    if layout.kind in kinds or layout.kind in also:
         return layout
     wanted = " or ".join(_WANTED.get(k, k) for k in kinds)
     if layout.kind == "lora":
         raise ModelSourceError(f"{layout.path} is a LoRA (adapter weights such as {layout.first_keys[0]}), not a "
-                               f"base model; give the {wanted} here. A LoRA is applied on top of its base model.")
-    raise ModelSourceError(f"{layout.path} is not a {wanted}; it looks like {layout}")
+                               f"base model; give {wanted} here. A LoRA is applied on top of its base model.")
+    raise ModelSourceError(f"{layout.path} is not {wanted}; it looks like {layout}")

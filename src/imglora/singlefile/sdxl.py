@@ -13,8 +13,9 @@ tests check that both give identical weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -64,7 +65,7 @@ def load_sdxl(path: PathLike, config_dir: PathLike, *, dtype: torch.dtype, vae_p
         if "vae" in parts and vae_path is None:
             out["vae"] = _vae(r, SGM_VAE, config_dir, dtype)
     if "vae" in parts and vae_path is not None:
-        vae_layout = expect(vae_path, "vae-sdxl", "sdxl-checkpoint")
+        vae_layout = expect(vae_path, "vae-sdxl", also=("sdxl-checkpoint",))
         prefix = SGM_VAE if vae_layout.kind == "sdxl-checkpoint" else vae_layout.prefix
         with open_file(vae_path) as r:
             out["vae"] = _vae(r, prefix, config_dir, dtype)

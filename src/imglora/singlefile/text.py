@@ -8,7 +8,8 @@ dict); nothing is downloaded.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ def load_clip_l(path: PathLike, config_dir_or_config: Any, dtype: torch.dtype) -
     diffusers model folder (its ``text_encoder/`` is used)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    layout = expect(path, "clip-l", "sdxl-checkpoint", "flux-transformer")
+    layout = expect(path, "clip-l", also=("sdxl-checkpoint", "flux-transformer"))
     prefix = _part_prefix(layout, "clip_l", {"sdxl-checkpoint": SGM_CLIP_L, "flux-transformer": FLUX_CLIP_L})
     config = hf_config(CLIPTextConfig, config_dir_or_config, "text_encoder")
     model = empty_model(lambda: CLIPTextModel(config))
@@ -96,7 +97,7 @@ def load_t5(path: PathLike, config: Any, dtype: torch.dtype) -> Any:
     """
     from transformers import T5Config, T5EncoderModel
 
-    layout = expect(path, "t5xxl", "flux-transformer")
+    layout = expect(path, "t5xxl", also=("flux-transformer",))
     prefix = _part_prefix(layout, "t5xxl", {"flux-transformer": FLUX_T5})
     cfg = hf_config(T5Config, config, "text_encoder_2")
     model = empty_model(lambda: T5EncoderModel(cfg))
@@ -137,7 +138,7 @@ def load_flux_vae(path: PathLike, config: Any, dtype: torch.dtype) -> Any:
     checkpoint). ``config``: a dict, the vae folder or a diffusers FLUX folder (its ``vae/``)."""
     from diffusers import AutoencoderKL
 
-    layout = expect(path, "vae-flux", "flux-transformer")
+    layout = expect(path, "vae-flux", also=("flux-transformer",))
     prefix = _part_prefix(layout, "vae", {"flux-transformer": FLUX_VAE})
     cfg = diffusers_config(AutoencoderKL, config, "vae")
     with open_file(path) as r:
