@@ -75,7 +75,9 @@ def test_t5_tied_embedding_under_flux_config(files, flux_dir, tmp_path):
     config = T5Config.from_pretrained(flux_dir / "text_encoder_2", tie_word_embeddings=False)
     sd = load_file(files["t5"])
     del sd["encoder.embed_tokens.weight"]
-    save_file(sd, tmp_path / "t5_shared_only.safetensors")
+    # extra tensors some ComfyUI text-encoder files carry (a tokenizer blob, a logit scale) are skipped
+    extra = {"spiece_model": torch.zeros(16, dtype=torch.uint8), "logit_scale": torch.tensor(4.6)}
+    save_file({**sd, **extra}, tmp_path / "t5_shared_only.safetensors")
     got = load_t5(tmp_path / "t5_shared_only.safetensors", config, torch.float32)
     assert got.encoder.embed_tokens.weight is got.shared.weight
     assert torch.equal(got.shared.weight, sd["shared.weight"].float())

@@ -7,6 +7,7 @@ model exactly.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ import torch
 from ..errors import ModelSourceError
 
 PathLike = str | os.PathLike
+log = logging.getLogger(__name__)
 
 # Every extension ComfyUI accepts for weights (folder_paths.supported_pt_extensions) except ours.
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pt2")
@@ -169,6 +171,14 @@ def check_shapes(path: Path, what: str, got: Mapping[str, Sequence[int]], want: 
                 if v]
     if problems:
         raise ModelSourceError(f"{path}: the {what} does not fit {hint}: " + "; ".join(problems))
+
+
+def note_ignored(path: Path, keys: Sequence[str]) -> None:
+    """Tensors of the file the model has no place for (logit_scale, position_ids, ...): said, not
+    fatal, as diffusers and ComfyUI also skip them. Missing ones are what check_shapes refuses."""
+    if keys:
+        log.info("%s: %d tensors not used by the model: %s%s", path, len(keys), ", ".join(keys[:6]),
+                 ", ..." if len(keys) > 6 else "")
 
 
 def empty_model(factory: Any) -> Any:

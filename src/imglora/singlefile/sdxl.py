@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import ModelSourceError
-from ._io import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, open_file
+from ._io import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
 from .inspect import SGM_CLIP_G, SGM_CLIP_L, SGM_VAE, UNET_PREFIX, expect
 from .text import clip_state, ldm_vae
 
@@ -107,6 +107,7 @@ def _open_clip(r: Reader, config_dir: Path, dtype: torch.dtype) -> Any:
     layer = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.out_proj": "self_attn.out_proj",
              "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
     state: dict[str, torch.Tensor] = {}
+    ignored = []
     for key in r.with_prefix(p):
         name = key[len(p):]
         if name in renames:
@@ -124,8 +125,9 @@ def _open_clip(r: Reader, config_dir: Path, dtype: torch.dtype) -> Any:
             else:
                 module, suffix = rest.rsplit(".", 1)
                 state[f"{dst}{layer.get(module, module)}.{suffix}"] = r.get(key, dtype)
-        elif name != "logit_scale":
-            state[name] = r.get(key, dtype)  # reported as unexpected by fill()
+        else:
+            ignored.append(key)  # logit_scale, attn_mask: nothing in the HF model
+    note_ignored(r.path, ignored)
     return fill(model, state, path=r.path, what="OpenCLIP bigG text encoder",
                 hint=f"{config_dir / 'text_encoder_2'}")
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelSourceError
-from ._io import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, open_file
+from ._io import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
 from .inspect import SGM_CLIP_L, Layout, expect
 
 FLUX_CLIP_L = "text_encoders.clip_l.transformer."
@@ -43,25 +43,29 @@ def clip_state(r: Reader, prefix: str, model: Any, dtype: torch.dtype) -> dict[s
 
     transformers 5 flattened CLIPTextModel (no ``text_model.`` level) while the released files
     and CLIPTextModelWithProjection keep it; a plain load_state_dict does not bridge that (kohya's
-    ``load_state_dict(strict=False)`` would silently load nothing), so names are mapped here.
-    ``position_ids`` (a buffer) and ``logit_scale`` (a CLIP training scalar) are dropped; a
-    projection is dropped for a model without one and transposed if stored OpenCLIP-style.
+    ``load_state_dict(strict=False)`` would silently load nothing), so names are mapped here. A
+    projection stored OpenCLIP-style (bare ``text_projection``, used as ``x @ P``) is transposed.
+    Tensors the model has no place for (``position_ids``, ``logit_scale``, a projection for a
+    model without one) are not read.
     """
     wanted = set(model.state_dict())
     nested = any(k.startswith("text_model.") for k in wanted)
     state: dict[str, torch.Tensor] = {}
+    ignored = []
     for key in r.with_prefix(prefix):
         name = key[len(prefix):]
-        if name.endswith(("position_ids", "logit_scale")):
-            continue
+        transpose = name == "text_projection"
         if name.startswith("text_projection"):
-            if "text_projection.weight" not in wanted:
-                continue
-            tensor = r.get(key, dtype)
-            state["text_projection.weight"] = tensor if name.endswith(".weight") else tensor.T.contiguous()
+            target = "text_projection.weight"
+        else:
+            bare = name.removeprefix("text_model.")
+            target = f"text_model.{bare}" if nested else bare
+        if target not in wanted:
+            ignored.append(key)
             continue
-        name = name.removeprefix("text_model.")
-        state[f"text_model.{name}" if nested else name] = r.get(key, dtype)
+        tensor = r.get(key, dtype)
+        state[target] = tensor.T.contiguous() if transpose else tensor
+    note_ignored(r.path, ignored)
     return state
 
 
@@ -102,10 +106,13 @@ def load_t5(path: PathLike, config: Any, dtype: torch.dtype) -> Any:
     cfg = hf_config(T5Config, config, "text_encoder_2")
     model = empty_model(lambda: T5EncoderModel(cfg))
     embed = "encoder.embed_tokens.weight"
+    wanted = set(model.state_dict()) - {embed}  # the encoder's copy is tied to shared below
     with open_file(path) as r:
-        keys = [k for k in r.with_prefix(prefix) if k[len(prefix):] not in (embed, "logit_scale")]
-        if prefix + "shared.weight" not in r.key_set and prefix + embed in r.key_set:
-            keys.append(prefix + embed)  # a file with only the encoder's copy of the embedding
+        names = {k: k[len(prefix):] for k in r.with_prefix(prefix)}
+        if "shared.weight" not in names.values():  # a file with only the encoder's copy
+            wanted.add(embed)
+        keys = [k for k, name in names.items() if name in wanted]
+        note_ignored(r.path, [k for k, name in names.items() if name not in wanted and name != embed])
         state = r.state(keys, dtype, strip=prefix, keep_fp32=T5EncoderModel._keep_in_fp32_modules or ())
     if "shared.weight" not in state and embed in state:
         state["shared.weight"] = state.pop(embed)
