@@ -102,6 +102,5 @@ def test_found_file_loads(comfy, flux_dir):
     from diffusers import FluxTransformer2DModel
 
     path = find_model_file(comfy, "diffusion_models", "flux1-dev.safetensors")
-    got = load_flux_transformer(path, FluxTransformer2DModel.load_config(flux_dir, subfolder="transformer"),
-                                dtype=torch.float32)
+    got = load_flux_transformer(path, flux_dir, dtype=torch.float32)  # config from the diffusers folder
     assert_same_weights(got, FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer"))

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import ModelSourceError
-from ._io import PathLike, Reader, open_file
+from ._io import PathLike, Reader, diffusers_config, open_file
 from .inspect import expect
 
 # A diffusers key's source: (BFL key without prefix, rows of it or None for all, op). op "copy";
@@ -91,12 +91,12 @@ def flux_plan(config: Mapping[str, Any]) -> dict[str, Source]:
     return plan
 
 
-def load_flux_transformer(path: PathLike, config: Mapping[str, Any], *, dtype: torch.dtype,
+def load_flux_transformer(path: PathLike, config: Mapping[str, Any] | PathLike, *, dtype: torch.dtype,
                           device: torch.device | str = "cpu", on_block: OnBlock | None = None) -> Any:
     """FluxTransformer2DModel from the BFL file ``path``, built block by block.
 
-    ``config``: the transformer config dict (``FluxTransformer2DModel.load_config(folder)``, or the
-    contents of a FLUX.1 transformer/config.json). Weights are created directly on ``device`` in
+    ``config``: the transformer config dict (``FluxTransformer2DModel.load_config(folder)``, the
+    contents of a FLUX.1 transformer/config.json), or that folder / a diffusers FLUX folder. Weights are created directly on ``device`` in
     ``dtype``; fp8 sources are upcast tensor by tensor (times their ``scale_weight`` /
     ``weight_scale`` if the file has them). ``on_block(kind, index, block)`` is called with kind
     "double" or "single" as soon as a block is complete, before the next one is read.
@@ -107,8 +107,9 @@ def load_flux_transformer(path: PathLike, config: Mapping[str, Any], *, dtype: t
     from diffusers import FluxTransformer2DModel
 
     layout = expect(path, "flux-transformer")
+    config = diffusers_config(FluxTransformer2DModel, config, "transformer")
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(dict(config))
+        model = FluxTransformer2DModel.from_config(config)
     plan = flux_plan(dict(model.config))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if set(plan) != set(shapes):  # a diffusers change, not a user error
