@@ -1,0 +1,51 @@
+"""Fixtures: the tiny models, and every single-file layout written from them once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from layouts import write_bfl_flux, write_clip_l, write_flux_ae, write_sdxl_vae, write_sgm_sdxl, write_t5xxl
+
+from imglora.tiny import ensure_tiny
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models on a shared 2-core machine: extra intra-op threads only add contention.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def sdxl_dir() -> Path:
+    return ensure_tiny("sdxl")
+
+
+@pytest.fixture(scope="session")
+def flux_dir() -> Path:
+    return ensure_tiny("flux")
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory, sdxl_dir: Path, flux_dir: Path) -> dict[str, Path]:
+    """name -> file, in the layouts users download (float32 weights unless the format fixes them)."""
+    d = tmp_path_factory.mktemp("singlefile")
+    return {
+        "sgm": write_sgm_sdxl(sdxl_dir, d / "sd_xl_base_1.0.safetensors"),
+        "sgm_novae": write_sgm_sdxl(sdxl_dir, d / "sdxl_novae.safetensors", vae=False),
+        "sgm_vpred": write_sgm_sdxl(sdxl_dir, d / "sdxl_vpred.safetensors", v_pred=True),
+        "sdxl_vae": write_sdxl_vae(sdxl_dir, d / "sdxl_vae.safetensors"),
+        "bfl": write_bfl_flux(flux_dir, d / "flux1-dev.safetensors"),
+        "bfl_prefixed": write_bfl_flux(flux_dir, d / "flux1-dev-ckpt.safetensors", prefix="model.diffusion_model."),
+        "bfl_fp8": write_bfl_flux(flux_dir, d / "flux1-dev-fp8.safetensors", fp8=True),
+        "bfl_scaled": write_bfl_flux(flux_dir, d / "flux1-dev-fp8-scaled.safetensors", scaled=True),
+        "clip_l": write_clip_l(flux_dir, d / "clip_l.safetensors"),
+        "t5": write_t5xxl(flux_dir, d / "t5xxl_fp16.safetensors"),
+        "t5_fp8": write_t5xxl(flux_dir, d / "t5xxl_fp8_e4m3fn.safetensors", fp8=True),
+        "ae": write_flux_ae(flux_dir, d / "ae.safetensors"),
+    }
+
