@@ -631,7 +631,7 @@ def test_extra_model_paths_yaml_default_lora_folder(flux_run, tmp_path) -> None:
         "a111:\n  base_path: ../shared\n  loras: |\n    Lora\n    LyCORIS\n"
         f"mine:\n  base_path: {tmp_path}\n  is_default: true\n  loras: shared/Lora\n")
     # ComfyUI's order: the is_default folder first, then models/loras, then the other extra folders.
-    assert comfyui.lora_folders(root.resolve()) == [shared / "Lora", root.resolve() / "models" / "loras",
+    assert comfyui.model_folders(root.resolve(), "loras") == [shared / "Lora", root.resolve() / "models" / "loras",
                                                     shared / "LyCORIS"]
     res = export_run(flux_run[0], comfyui=root, name="shared_lora")
     assert res.path == shared / "Lora" / "shared_lora.safetensors"

@@ -1,4 +1,5 @@
-"""ComfyUI: find its LoRA folder, and write a ready-to-run workflow for an exported LoRA.
+"""ComfyUI: find its folders (the LoRA folder to export into, model files by their bare names, as
+ComfyUI itself resolves them), and write a ready-to-run workflow for an exported LoRA.
 
 A family describes its workflow once, as a table of nodes (``Node``, built with the helpers
 below), and this module writes it in both formats ComfyUI reads:
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ImgloraError
+from .errors import ImgloraError, ModelSourceError
 
 # ---------------------------------------------------------------------------------------------
 # Folder detection
@@ -33,13 +34,16 @@ def is_comfyui_root(folder: Path) -> bool:
             or all((folder / m).is_dir() for m in _DESKTOP_MARKERS))
 
 
-def find_root(folder: str | os.PathLike) -> Path:
-    """The ComfyUI folder the user meant, or an ImgloraError that says what was expected."""
+def find_root(folder: str | os.PathLike, setting: str = "--comfyui") -> Path:
+    """The ComfyUI folder the user meant (``setting`` names where they said it), or an error that
+    says what was expected."""
     folder = Path(folder).expanduser()
+    elsewhere = (" Use --out FILE to write the LoRA anywhere else." if setting == "--comfyui"
+                 else " Or give the files' full paths instead.")
     if not folder.is_dir():
         what = "not a folder" if folder.exists() else "no such folder"
-        raise ImgloraError(f"--comfyui {folder}: {what}. Give the ComfyUI folder (the one with main.py and "
-                           "models/), or use --out FILE to write the LoRA elsewhere.")
+        raise ModelSourceError(f"{setting} {folder}: {what}. Give the ComfyUI folder (the one with main.py and "
+                               f"models/).{elsewhere}")
     for candidate in (folder, folder / "ComfyUI"):  # the portable build nests ComfyUI/ one level down
         if is_comfyui_root(candidate):
             return candidate.resolve()
@@ -48,66 +52,135 @@ def find_root(folder: str | os.PathLike) -> Path:
         if is_comfyui_root(parent):
             hint = f" It lies inside the ComfyUI folder {parent}; pass that folder instead."
             break
-    raise ImgloraError(
-        f"--comfyui {folder} is not a ComfyUI folder: expected models/ beside main.py, comfy/ and "
+    raise ModelSourceError(
+        f"{setting} {folder} is not a ComfyUI folder: expected models/ beside main.py, comfy/ and "
         "folder_paths.py (a ComfyUI checkout, or ComfyUI/ inside the portable build), or models/ beside "
-        f"custom_nodes/ (ComfyUI Desktop's base folder).{hint} Use --out FILE to write the LoRA anywhere else.")
+        f"custom_nodes/ (ComfyUI Desktop's base folder).{hint}{elsewhere}")
 
 
-def extra_lora_paths(root: Path) -> list[tuple[Path, bool]]:
-    """``(folder, is_default)`` for each LoRA folder named in ``<root>/extra_model_paths.yaml``.
+# folder_paths.py: the built-in folders of each name, in search order (current ComfyUI searches
+# models/unet before models/diffusion_models, and models/text_encoders before models/clip).
+DEFAULT_FOLDERS = {
+    "checkpoints": ("checkpoints",),
+    "diffusion_models": ("unet", "diffusion_models"),
+    "text_encoders": ("text_encoders", "clip"),
+    "vae": ("vae",),
+    "loras": ("loras",),
+}
+LEGACY_NAMES = {"unet": "diffusion_models", "clip": "text_encoders"}  # folder_paths.map_legacy
 
-    Resolved as ComfyUI's ``utils/extra_config.py`` does: ``base_path`` expands ``~`` and
-    environment variables and is relative to the YAML file's folder; each line of a section's
-    ``loras`` value is a folder relative to ``base_path`` (or to the YAML's folder without one).
+
+def _kind(kind: str) -> str:
+    name = LEGACY_NAMES.get(kind, kind)
+    if name not in DEFAULT_FOLDERS:
+        valid = ", ".join([*DEFAULT_FOLDERS, *LEGACY_NAMES])
+        raise ModelSourceError(f"unknown ComfyUI model folder {kind!r}; valid: {valid}")
+    return name
+
+
+def extra_model_paths(root: Path) -> list[tuple[str, Path, bool]]:
+    """``(folder name, folder, is_default)`` for every entry of ``<root>/extra_model_paths.yaml``,
+    in file order, legacy names mapped (``clip`` -> text_encoders, ``unet`` -> diffusion_models).
+
+    Read as ComfyUI's ``utils/extra_config.py`` does: ``base_path`` expands ``~`` and environment variables and is relative to
+    the YAML's folder; each line of a value is one folder, relative to ``base_path`` (or to the
+    YAML's folder without one).
     """
     path = root / EXTRA_PATHS_FILE
     if not path.is_file():
         return []
-    try:
-        import yaml
-    except ImportError as exc:  # PyYAML comes with transformers/accelerate; say so if it is gone
-        raise ImgloraError(f"{path} exists but PyYAML is not installed to read it: pip install pyyaml") from exc
+    import yaml
+
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise ImgloraError(f"{path} is not valid YAML ({exc}); fix it, or pass --out FILE") from None
+        raise ModelSourceError(f"{path} is not valid YAML ({exc}); fix it (ComfyUI cannot read it either)") from None
     if not isinstance(config, dict):
-        raise ImgloraError(f"{path}: expected sections of folder names, found {type(config).__name__}")
+        raise ModelSourceError(f"{path}: expected sections of folder names, found {type(config).__name__}")
     out = []
     for section in config.values():
-        if not isinstance(section, dict) or not isinstance(section.get("loras"), str):
-            continue
+        if not isinstance(section, dict):
+            continue  # ComfyUI skips empty sections too
         base = section.get("base_path")
         if base is not None:
             base = Path(os.path.expandvars(os.path.expanduser(str(base))))
             base = base if base.is_absolute() else root / base
-        for line in section["loras"].split("\n"):
-            line = line.strip()
-            if line:
-                sub = Path(os.path.expandvars(os.path.expanduser(line)))
-                full = sub if sub.is_absolute() else (base if base is not None else root) / sub
-                out.append((Path(os.path.normpath(full)), bool(section.get("is_default", False))))
+        is_default = bool(section.get("is_default", False))
+        for name, value in section.items():
+            if name in ("base_path", "is_default") or not isinstance(value, str):
+                continue
+            for line in value.split("\n"):
+                line = line.strip()
+                if line:
+                    sub = Path(os.path.expandvars(os.path.expanduser(line)))
+                    full = sub if sub.is_absolute() else (base if base is not None else root) / sub
+                    out.append((LEGACY_NAMES.get(name, name), Path(os.path.normpath(full)), is_default))
     return out
 
 
-def lora_folders(root: Path) -> list[Path]:
-    """ComfyUI's LoRA search path in its own order (``folder_paths.add_model_folder_path``):
-    ``is_default`` folders go to the front, each before the previous one; new other folders are
-    appended after ``models/loras``; a folder already listed only moves, to the front, if default.
-    """
-    folders = [root / "models" / "loras"]
-    for folder, is_default in extra_lora_paths(root):
-        if folder in folders and is_default:
-            folders.remove(folder)
-        if folder not in folders:
-            folders.insert(0, folder) if is_default else folders.append(folder)
+def model_folders(comfy_root: str | os.PathLike, kind: str) -> list[Path]:
+    """The folders ComfyUI searches for ``kind``, in its order (``folder_paths.add_model_folder_path``):
+    ``is_default`` folders from the YAML go to the front, each before the previous one; other new
+    folders are appended after the built-in ones; a folder already listed only moves, and only
+    to the front for is_default."""
+    root = find_root(comfy_root, "model.comfyui")
+    name = _kind(kind)
+    folders = [root / "models" / sub for sub in DEFAULT_FOLDERS[name]]
+    for entry_name, folder, is_default in extra_model_paths(root):
+        if entry_name != name:
+            continue
+        if folder in folders:
+            if is_default:
+                folders.remove(folder)
+                folders.insert(0, folder)
+        elif is_default:
+            folders.insert(0, folder)
+        else:
+            folders.append(folder)
     return folders
+
+
+def find_model_file(comfy_root: str | os.PathLike, kind: str, name: str) -> Path:
+    """The file ComfyUI would load for ``name`` (e.g. "flux1-dev.safetensors", or a subfolder
+    path like "flux/ae.safetensors") from folder ``kind``: checkpoints, diffusion_models (or its
+    legacy name unet), text_encoders (or clip), vae, loras. The first folder holding it wins."""
+    folders = model_folders(comfy_root, kind)
+    # folder_paths.get_full_path: names cannot climb out of the folder ("../x" -> "x")
+    relative = os.path.relpath(os.path.join(os.sep, name), os.sep)
+    for folder in folders:
+        candidate = folder / relative
+        if candidate.is_file():  # a broken link is skipped, as ComfyUI does
+            return candidate
+    seen = sorted({str(p.relative_to(f)) for f in folders if f.is_dir()
+                   for p in f.rglob("*") if p.suffix in (".safetensors", ".sft") and p.is_file()})
+    found = f" Files there: {', '.join(seen[:10])}{', ...' if len(seen) > 10 else ''}." if seen else ""
+    raise ModelSourceError(f"{name!r} is not in ComfyUI's {_kind(kind)} folders; searched, in order: "
+                           f"{', '.join(str(f) for f in folders)}.{found} Put the file in one of them "
+                           f"(or add its folder to {EXTRA_PATHS_FILE}), or give its full path.")
+
+
+def tokenizer_dirs(comfy_root: str | os.PathLike) -> dict[str, Path]:
+    """The tokenizers ComfyUI ships: ``{"clip": comfy/sd1_tokenizer, "t5":
+    comfy/text_encoders/t5_tokenizer}``.
+
+    The CLIP one serves CLIP-L and SDXL's CLIP-G alike; its tokenizer_config.json says
+    ``model_max_length`` 8192, so load it with ``model_max_length=77`` (and ``pad_token="!"`` for
+    SDXL's second tokenizer, as its diffusers copy has). The T5 one has tokenizer.json but no
+    spiece.model: load it with ``T5TokenizerFast``.
+    """
+    root = find_root(comfy_root, "model.comfyui")
+    dirs = {"clip": root / "comfy" / "sd1_tokenizer", "t5": root / "comfy" / "text_encoders" / "t5_tokenizer"}
+    expected = {"clip": "vocab.json", "t5": "tokenizer.json"}
+    missing = [str(d / expected[k]) for k, d in dirs.items() if not (d / expected[k]).is_file()]
+    if missing:
+        raise ModelSourceError(f"{root} lacks ComfyUI's tokenizer files ({', '.join(missing)}); update or "
+                               "reinstall ComfyUI, or give a diffusers model folder for the tokenizers")
+    return dirs
 
 
 def export_folder(root: Path) -> Path:
     """Where ComfyUI itself would save a new LoRA: the first folder of its search path."""
-    folder = lora_folders(root)[0]
+    folder = model_folders(root, "loras")[0]
     if folder != root / "models" / "loras" and not folder.is_dir():
         raise ImgloraError(f"{root / EXTRA_PATHS_FILE} makes {folder} the default LoRA folder (is_default), but "
                            "it does not exist; create it or fix the file, or pass --out FILE")

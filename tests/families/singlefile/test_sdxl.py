@@ -8,7 +8,8 @@ from checks import assert_same_weights
 from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
-from imglora.singlefile import load_clip_l, load_sdxl, prediction_type, zero_terminal_snr
+from imglora.families.sdxl.singlefile import load_sdxl, prediction_type, zero_terminal_snr
+from imglora.families.singlefile.text import load_clip_l
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from imglora.errors import ModelSourceError
-from imglora.singlefile import flux_plan, load_flux_transformer
+from imglora.families.flux.singlefile import flux_plan, load_flux_transformer
 
 FP8 = torch.float8_e4m3fn
 BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
@@ -72,7 +72,7 @@ def test_scaled_fp8_is_multiplied_by_its_scale(files, config, ref):
             v = None
         want[k] = v
     raw = load_file(files["bfl_scaled"])
-    from imglora.singlefile.flux import flux_plan as plan_of
+    from imglora.families.flux.singlefile import flux_plan as plan_of
 
     plan = plan_of(config)
     for k, v in want.items():

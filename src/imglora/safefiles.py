@@ -1,6 +1,6 @@
-"""Opening single files safely, reading tensors in the wanted dtype, and checking key sets.
+"""Opening single weights files safely, reading tensors in the wanted dtype, and checking key sets.
 
-Shared by every loader of the package, so that each refuses the same things with the same words:
+Shared by every single-file loader (``families/*/singlefile.py``), so that each refuses the same things with the same words:
 pickles (which run code when loaded), truncated or foreign files, and weights that do not fill the
 model exactly.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelSourceError
+from .errors import ModelSourceError
 
 PathLike = str | os.PathLike
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ModelSourceError
-from ._io import PathLike, Reader, is_side_key, open_file
+from ...errors import ModelSourceError
+from ...safefiles import PathLike, Reader, is_side_key, open_file
 
 KINDS = ("sdxl-checkpoint", "flux-transformer", "clip-l", "t5xxl", "vae-sdxl", "vae-flux", "lora", "unknown")
 

@@ -8,7 +8,9 @@ from checks import assert_same_weights
 from layouts import make_comfyui_tree
 
 from imglora.errors import ModelSourceError
-from imglora.singlefile import describe, find_model_file, load_flux_transformer, model_folders, tokenizer_dirs
+from imglora.comfyui import find_model_file, model_folders, tokenizer_dirs
+from imglora.families.flux.singlefile import load_flux_transformer
+from imglora.families.singlefile.inspect import describe
 
 
 @pytest.fixture()

@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import ModelSourceError
-from ._io import PathLike, Reader, diffusers_config, open_file
-from .inspect import expect
+from ...errors import ModelSourceError
+from ...safefiles import PathLike, Reader, diffusers_config, open_file
+from ..singlefile.inspect import expect
 
 # A diffusers key's source: (BFL key without prefix, rows of it or None for all, op). op "copy";
 # or "swap": the two halves exchanged (BFL's final adaLN is [shift; scale], diffusers' [scale; shift]).

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import ModelSourceError
-from ._io import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
-from .inspect import SGM_CLIP_G, SGM_CLIP_L, SGM_VAE, UNET_PREFIX, expect
-from .text import clip_state, ldm_vae
+from ...errors import ModelSourceError
+from ...safefiles import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
+from ..singlefile.inspect import SGM_CLIP_G, SGM_CLIP_L, SGM_VAE, UNET_PREFIX, expect
+from ..singlefile.text import clip_state, ldm_vae
 
 SDXL_PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 # diffusers component -> name of the part in inspect.Layout.parts

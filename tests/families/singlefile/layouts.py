@@ -3,7 +3,7 @@
 These files stand in for what users download (sd_xl_base_1.0.safetensors, sdxl_vae.safetensors,
 flux1-dev.safetensors, flux1-dev-fp8.safetensors, clip_l.safetensors, t5xxl_fp16 / _fp8_e4m3fn,
 ae.safetensors) and for a ComfyUI folder holding them. They are written from the published key
-tables, read in the diffusers -> original direction, and never through ``imglora.singlefile``: a
+tables, read in the diffusers -> original direction, and never through imglora's own loaders: a
 loader bug therefore cannot cancel out against the same bug here.
 
 Sources of the tables:
@@ -353,10 +353,11 @@ def make_comfyui_tree(root: Path, files: dict[str, Path], *, extra_yaml: dict | 
     """A ComfyUI-shaped folder: sources markers, models/<folder>/ for the usual folders, ``files``
     copied to their paths relative to ``root`` (e.g. ``"models/unet/flux1-dev.safetensors"``), an
     optional extra_model_paths.yaml, and the tokenizer folders ComfyUI ships, filled from the tiny
-    FLUX model's CLIP and T5 tokenizers (``tokenizers_from``, default ``ensure_tiny("flux")``).
+    FLUX model's CLIP and T5 tokenizers (``tokenizers_from``, default ``ensure_tiny(registry.get("flux"))``).
     ComfyUI's sd1_tokenizer config says model_max_length 8192; the copy keeps that quirk."""
     import yaml
 
+    from imglora.families import registry
     from imglora.tiny import ensure_tiny
 
     root = Path(root)
@@ -372,7 +373,7 @@ def make_comfyui_tree(root: Path, files: dict[str, Path], *, extra_yaml: dict | 
         shutil.copyfile(src, dest)
     if extra_yaml is not None:
         (root / "extra_model_paths.yaml").write_text(yaml.safe_dump(extra_yaml, sort_keys=False))
-    tok = Path(tokenizers_from) if tokenizers_from is not None else ensure_tiny("flux")
+    tok = Path(tokenizers_from) if tokenizers_from is not None else ensure_tiny(registry.get("flux"))
     clip_dir, t5_dir = root / "comfy" / "sd1_tokenizer", root / "comfy" / "text_encoders" / "t5_tokenizer"
     shutil.copytree(tok / "tokenizer", clip_dir, dirs_exist_ok=True)
     shutil.copytree(tok / "tokenizer_2", t5_dir, dirs_exist_ok=True)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelSourceError
-from ._io import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
+from ...errors import ModelSourceError
+from ...safefiles import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
 from .inspect import SGM_CLIP_L, Layout, expect
 
 FLUX_CLIP_L = "text_encoders.clip_l.transformer."

@@ -8,6 +8,7 @@ import pytest
 import torch
 from layouts import write_bfl_flux, write_clip_l, write_flux_ae, write_sdxl_vae, write_sgm_sdxl, write_t5xxl
 
+from imglora.families import registry
 from imglora.tiny import ensure_tiny
 
 
@@ -22,12 +23,12 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def sdxl_dir() -> Path:
-    return ensure_tiny("sdxl")
+    return ensure_tiny(registry.get("sdxl"))
 
 
 @pytest.fixture(scope="session")
 def flux_dir() -> Path:
-    return ensure_tiny("flux")
+    return ensure_tiny(registry.get("flux"))
 
 
 @pytest.fixture(scope="session")

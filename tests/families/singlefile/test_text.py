@@ -8,7 +8,7 @@ from checks import assert_same_weights
 from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
-from imglora.singlefile import load_clip_l, load_flux_vae, load_t5
+from imglora.families.singlefile.text import load_clip_l, load_flux_vae, load_t5
 
 FP8 = torch.float8_e4m3fn
 
