@@ -44,7 +44,7 @@ def base_model(family: str):
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
     cls = UNet2DConditionModel if family == "sdxl" else FluxTransformer2DModel
-    return cls.from_pretrained(resolve_model(f"tiny:{family}", get_family(family)), subfolder=get_family(family).denoiser).eval()
+    return cls.from_pretrained(resolve_model(f"tiny:{family}", get_family(family)).root, subfolder=get_family(family).denoiser).eval()
 
 
 def randomize_lora(model: nn.Module, seed: int) -> None:
@@ -80,7 +80,7 @@ def make_run(root: Path, family: str, *, rank: int, alpha: float, targets: list[
     fam.save_adapter(model, peft_cfg, run / "adapter")
     rec = record.RunRecord("train", run, cfg.to_dict())
     rec.set(steps_done=20, total_updates=20, adapter=str(run / "adapter" / ADAPTER_FILE), dataset_version="d" * 64,
-            dataset_items=5, model_dir=str(resolve_model(f"tiny:{family}", get_family(family))),
+            dataset_items=5, model_dir=str(resolve_model(f"tiny:{family}", get_family(family)).root),
             model_checksums={f"{fam.denoiser}/diffusion_pytorch_model.safetensors": "a" * 64})
     rec.write()
     return run, model
@@ -338,7 +338,7 @@ class _Capture(logging.Handler):
 def load_in_pipeline(family: str, path: Path):
     import diffusers
 
-    pipe = getattr(diffusers, get_family(family).pipeline).from_pretrained(resolve_model(f"tiny:{family}", get_family(family)))
+    pipe = getattr(diffusers, get_family(family).pipeline).from_pretrained(resolve_model(f"tiny:{family}", get_family(family)).root)
     capture = _Capture()
     logger = logging.getLogger("diffusers")
     logger.addHandler(capture)

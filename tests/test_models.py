@@ -27,21 +27,23 @@ def test_hub_id_found_in_local_cache(tmp_path: Path, monkeypatch) -> None:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf"))
-    assert resolve_model("someone/tiny-sdxl", get_family("sdxl")) == snap
+    assert resolve_model("someone/tiny-sdxl", get_family("sdxl")).root == snap
 
 
 def test_local_folder_must_be_in_the_family_format(tmp_path: Path) -> None:
     with pytest.raises(ModelSourceError, match="has no model_index.json; the sdxl family needs a diffusers-format"):
         resolve_model(str(tmp_path), get_family("sdxl"))
     (tmp_path / "config.json").write_text("{}")
-    assert resolve_model(str(tmp_path), get_family("llm")) == tmp_path
+    assert resolve_model(str(tmp_path), get_family("llm")).root == tmp_path
 
 
 def test_bad_paths(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"")
-    with pytest.raises(ModelSourceError, match="is a file"):
+    with pytest.raises(ModelSourceError, match="model.safetensors is not a readable safetensors file .*0 bytes"):
         resolve_model(str(f), get_family("sdxl"))
+    with pytest.raises(ModelSourceError, match="is a file; the llm family loads a model folder"):
+        resolve_model(str(f), get_family("llm"))
     with pytest.raises(ModelSourceError, match="no such folder"):
         resolve_model(str(tmp_path / "nope" / "deeper" / "x"), get_family("sdxl"))
     with pytest.raises(ModelSourceError, match="use tiny:flux"):
@@ -52,7 +54,7 @@ def test_bad_paths(tmp_path: Path) -> None:
 
 def test_tiny_models_resolve_to_their_built_folder() -> None:
     for kind, marker in (("sdxl", "model_index.json"), ("flux", "model_index.json"), ("llm", "config.json")):
-        folder = resolve_model(f"tiny:{kind}", get_family(kind))
+        folder = resolve_model(f"tiny:{kind}", get_family(kind)).root
         assert (folder / marker).is_file()
 
 

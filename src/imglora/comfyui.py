@@ -219,6 +219,15 @@ class Sampling:
 
 
 
+def file_name(value: str, comfyui: str, default: str) -> str:
+    """How a ComfyUI loader node names a model file the run was trained from: as the preset gave it
+    when it was looked up in ComfyUI's folders (a bare or folder-relative name), else its file name;
+    ``default`` when the model was not given as files."""
+    if not value or not Path(value).suffix:
+        return default
+    return value if comfyui and not Path(value).is_absolute() else Path(value).name
+
+
 def ksampler(id_: int, pos, model, positive, negative, latent, seed: int, s: Sampling) -> Node:
     return Node(id_, "KSampler", pos, links=[("model", "MODEL", model), ("positive", "CONDITIONING", positive),
                                              ("negative", "CONDITIONING", negative),

@@ -114,7 +114,8 @@ def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *
 
     stem = dest.name[: -len(".safetensors")]
     with_clip = any(not k.startswith(("unet.", "transformer.")) for k in modules)
-    nodes = family.comfyui_nodes(dest.name, evaluation_prompt(cfg), "", cfg.eval.seed, f"imglora/{stem}", with_clip)
+    nodes = family.comfyui_nodes(dest.name, evaluation_prompt(cfg), "", cfg.eval.seed, f"imglora/{stem}", with_clip,
+                                 cfg.model)
     api, ui = comfy.to_api(nodes), comfy.to_ui(nodes)
     paths = write_workflows(stem, api, ui, [dest.parent, run_dir / EXPORT_SUBDIR])
     _record(run_dir, source, cfg, dest, fmt, dtype, len(tensors), blob)
@@ -382,11 +383,34 @@ def build_metadata(source: Source, cfg: "Config", family: "Exportable", name: st
         "imglora.dataset_version": rec.get("dataset_version"),
         **family.export_metadata(cfg, rec),
     }
+    meta.update(base_model_hashes(rec, checksums))
     if trigger:
         # kohya counts caption tags per dataset folder; imglora records the tag it prepended to every caption.
         folder = Path(cfg.data.dir or "dataset").name
         meta["ss_tag_frequency"] = json.dumps({folder: {trigger: rec.get("dataset_items") or 1}})
     return {k: str(v) for k, v in meta.items() if v is not None}
+
+
+def base_model_hashes(rec: dict[str, Any], checksums: dict[str, str]) -> dict[str, str]:
+    """For a model trained from single files: the main file's name and its hashes as kohya writes
+    them (``ss_sd_model_name``, ``ss_new_sd_model_hash`` = sha256 of the file, ``ss_sd_model_hash`` =
+    the legacy 8-digit hash of 64 KiB at 1 MiB), so the LoRA can be traced to the exact checkpoint."""
+    files = (rec.get("model_source") or {}).get("files") or {}
+    if not files:
+        return {}
+    part, main = next(iter(files.items()))
+    out = {"ss_sd_model_name": Path(main).name,
+           "imglora.base_model_files": json.dumps({k: Path(v).name for k, v in files.items()}, sort_keys=True)}
+    full = checksums.get(f"{part}:{Path(main).name}")
+    if full:
+        out["ss_new_sd_model_hash"] = full
+    try:
+        with open(main, "rb") as fh:
+            fh.seek(0x100000)
+            out["ss_sd_model_hash"] = hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
+    except OSError:
+        pass  # the base moved since training; the full checksum above still names it
+    return out
 
 
 def _summary_hash(checksums: dict[str, str]) -> str | None:

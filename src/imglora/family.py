@@ -12,6 +12,11 @@ else (no stubs raising ``NotImplementedError``):
   ``bench-swap --arch full`` before a download.
 * ``Exportable``: key forms and metadata of a ComfyUI-ready LoRA, and its ComfyUI workflow.
 * ``Mergeable``: folding an adapter into the full-precision base (``imglora merge``).
+* ``SingleFiles``: training from the single files users have (an SDXL checkpoint, a FLUX.1
+  transformer with its text encoders and VAE as files), as well as from a model folder.
+
+A family loads its model from a ``ModelSource`` (``imglora.models``): a folder in its own layout,
+or single files plus a folder of configs and tokenizers.
 
 Families live in ``imglora.families`` (one folder each, registered in one line); the core never
 imports them. Commands get a family from the registry and pass it in.
@@ -25,14 +30,16 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import Config, ModelConfig
     from .data.samples import PreparedData
+    from .source import ModelSource
 
 
 class Trainable(Protocol):
     """The trained module and the family's loss: the only family code in a training step."""
 
     model: torch.nn.Module
+    facts: dict[str, Any]  # what the run record should know about the loaded model (e.g. its prediction type)
 
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor: ...
 
@@ -52,9 +59,9 @@ class Family(Protocol):
     def check_config(self, cfg: "Config", where: Callable[[str], str], problems: list[str]) -> None: ...
     def build_tiny(self, dest: Path, seed: int) -> None: ...  # a tiny random model in the real on-disk layout
     def data_version(self, cfg: "Config") -> str: ...  # the training data's content hash, without a model
-    def prepare_data(self, cfg: "Config", model_dir: Path, device: torch.device) -> "PreparedData": ...
+    def prepare_data(self, cfg: "Config", src: "ModelSource", device: torch.device) -> "PreparedData": ...
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
-    def load_trainable(self, model_dir: Path, cfg: "Config", device: torch.device, dtype: torch.dtype) -> Trainable: ...
+    def load_trainable(self, src: "ModelSource", cfg: "Config", device: torch.device, dtype: torch.dtype) -> Trainable: ...
     def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path: ...  # the main file
     def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]: ...  # LoRA state keyed by module path
 
@@ -64,11 +71,11 @@ class CacheEncoder(Protocol):
     bucket_step: int  # bucket sides are multiples of this
     text_max_length: int  # default token length of cached text embeddings
 
-    def vae_folders(self, model_dir: Path) -> list[Path]: ...  # what the latents' identity hashes
-    def text_folders(self, model_dir: Path) -> list[Path]: ...  # what the text entries' identity hashes
-    def load_vae(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any: ...
+    def vae_folders(self, src: "ModelSource") -> list[Path]: ...  # what the latents' identity hashes
+    def text_folders(self, src: "ModelSource") -> list[Path]: ...  # what the text entries' identity hashes
+    def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any: ...
     def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]: ...
-    def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any: ...
+    def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any: ...
     def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]: ...
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]: ...
 
@@ -76,8 +83,8 @@ class CacheEncoder(Protocol):
 @runtime_checkable
 class Sampler(Protocol):
     def default_prompts(self, cfg: "Config") -> list[str]: ...
-    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: "Config", device: torch.device) -> list[Any]: ...
-    def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: "Config", device: torch.device,
+    def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: "Config", device: torch.device) -> list[Any]: ...
+    def load_sampler(self, src: "ModelSource", model: torch.nn.Module, cfg: "Config", device: torch.device,
                      dtype: torch.dtype) -> Callable[[Any, int], Any]: ...  # (encoded prompt, seed) -> image or text
 
 
@@ -85,7 +92,7 @@ class Sampler(Protocol):
 class Swappable(Protocol):
     swappable_blocks: tuple[str, ...]  # attribute paths of the block lists, in execution order
 
-    def block_counts(self, model_dir: Path) -> list[int]: ...  # blocks per list, from the config alone
+    def block_counts(self, src: "ModelSource") -> list[int]: ...  # blocks per list, from the config alone
     def swap_counts(self, lengths: list[int], cfg: "Config", override: int | None = None) -> list[int]: ...
     # blocks per list to swap: the preset's setting, or ``override`` (a kohya-style total) when given
 
@@ -104,7 +111,16 @@ class Exportable(Protocol):
     def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]: ...
     def export_metadata(self, cfg: "Config", record: dict[str, Any]) -> dict[str, Any]: ...  # ss_*, modelspec.*
     def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
-                      with_clip: bool) -> list[Any]: ...  # comfyui.Node table: base -> LoRA -> sampler -> image
+                      with_clip: bool, model: "ModelConfig | None" = None) -> list[Any]: ...
+    # comfyui.Node table: base (the files named in ``model`` if given as files) -> LoRA -> sampler -> image
+
+
+@runtime_checkable
+class SingleFiles(Protocol):
+    def resolve_files(self, model: "ModelConfig", find: Callable[[str, tuple[str, ...], str], Path]) -> "ModelSource":
+        """The ModelSource of a model given as files: ``find(name, ComfyUI folder kinds, setting)``
+        locates each file named in ``model`` (a path, or a bare name with model.comfyui)."""
+        ...
 
 
 @runtime_checkable

@@ -1,9 +1,14 @@
-"""Resolve ``model.path`` to a model folder on this machine, without ever touching the network.
+"""Where a model is on this machine (``ModelSource``), found without ever touching the network.
 
-Accepted forms:
+``model.path`` is one of:
 - ``tiny:<family>``: a tiny random model imglora builds on first use;
-- a local folder in diffusers format (``model_index.json``) or transformers format (``config.json``);
-- a hub id such as ``black-forest-labs/FLUX.1-dev``, looked up only in the local Hugging Face cache.
+- a local folder in the family's layout (diffusers: ``model_index.json``; transformers: ``config.json``);
+- a hub id such as ``black-forest-labs/FLUX.1-dev``, looked up only in the local Hugging Face cache;
+- a single ``.safetensors`` file (an SDXL checkpoint, a FLUX.1 transformer) with, where the family
+  needs them, its other parts as files (``model.vae``, ``model.text_encoder``,
+  ``model.text_encoder_2``); with ``model.comfyui`` these may be bare file names, found in
+  ComfyUI's model folders as ComfyUI finds them. The family says what its files must be
+  (``SingleFiles``).
 """
 
 from __future__ import annotations
@@ -12,29 +17,65 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import tiny
+from .config import ModelConfig
 from .errors import ModelSourceError
+from .family import SingleFiles, supports
+from .source import ModelSource
 
 if TYPE_CHECKING:
     from .family import Family
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin")
 
-def resolve_model(path: str, family: "Family") -> Path:
+
+def resolve_model(model: ModelConfig | str, family: "Family") -> ModelSource:
+    """``model`` (the preset's [model] section, or just a path) as a ``ModelSource``."""
+    path = model if isinstance(model, str) else model.path
     if path.startswith("tiny:"):
         kind = path.removeprefix("tiny:")
         if kind != family.name:
             raise ModelSourceError(f"model.path = {path!r} is a tiny {kind} model, but model.family = "
                                    f"{family.name!r}; use tiny:{family.name}")
-        return tiny.ensure_tiny(family)
+        return ModelSource(tiny.ensure_tiny(family))
     local = Path(path).expanduser()
     if local.is_dir():
-        return _check_folder(local, family, path)
-    if local.exists():
-        raise ModelSourceError(f"model.path = {path!r} is a file; give the model's folder "
-                               f"(with {family.model_marker}) or a hub id")
+        return ModelSource(_check_folder(local, family, path))
+    if local.is_file() or local.suffix.lower() in WEIGHT_FILE_SUFFIXES:
+        if not supports(family, SingleFiles):
+            raise ModelSourceError(f"model.path = {path!r} is a file; the {family.name} family loads a model folder "
+                                   f"(with {family.model_marker}) or a hub id")
+        if isinstance(model, str):
+            model = ModelConfig(family=family.name, path=model)
+        return family.resolve_files(model, FileFinder(model))
     if looks_like_hub_id(path):
-        return _check_folder(_from_hf_cache(path), family, path)
-    raise ModelSourceError(f"model.path = {path!r}: no such folder, and it is not a hub id "
+        return ModelSource(_check_folder(_from_hf_cache(path), family, path))
+    raise ModelSourceError(f"model.path = {path!r}: no such folder or file, and it is not a hub id "
                            "(owner/name) either; check the path")
+
+
+class FileFinder:
+    """Finds a model file named in the preset: a path, or with ``model.comfyui`` a bare name in
+    ComfyUI's folder of that kind (checkpoints, diffusion_models, text_encoders, vae)."""
+
+    def __init__(self, model: ModelConfig):
+        self.comfyui = model.comfyui
+
+    def __call__(self, name: str, kinds: tuple[str, ...], setting: str) -> Path:
+        path = Path(name).expanduser()
+        if path.is_file():
+            return path
+        if self.comfyui and not path.is_absolute():
+            from .comfyui import find_model_file
+
+            errors = []
+            for kind in kinds:
+                try:
+                    return find_model_file(self.comfyui, kind, name)
+                except ModelSourceError as exc:
+                    errors.append(str(exc))
+            raise ModelSourceError(f"{setting} = {name!r}: " + " ".join(errors))
+        where = "" if self.comfyui else "; or set model.comfyui to your ComfyUI folder to give bare file names"
+        raise ModelSourceError(f"{setting} = {name!r}: no such file ({path.resolve()}){where}")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -42,22 +83,32 @@ def looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
 
 
-def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import constants, snapshot_download
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of ``repo_id``, or None (never a download)."""
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        # local_files_only: never a request, so never a hang on a machine without network.
         return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError):
-        cache = constants.HF_HUB_CACHE
-        raise ModelSourceError(
-            f"model.path = {repo_id!r} is not in the local Hugging Face cache ({cache}). imglora never "
-            f"downloads during a run; fetch it first with `hf download {repo_id}` (gated models "
-            "also need `hf auth login` and the license accepted on the model page), "
-            "or set model.path to a local folder.") from None
+    except (LocalEntryNotFoundError, FileNotFoundError, HFValidationError):
+        return None
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        folder = hub_snapshot(repo_id)
     except HFValidationError as exc:
         raise ModelSourceError(f"model.path = {repo_id!r} is not a valid hub id: {exc}") from None
+    if folder is None:
+        raise ModelSourceError(
+            f"model.path = {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}). imglora "
+            f"never downloads during a run; fetch it first with `hf download {repo_id}` (gated models "
+            "also need `hf auth login` and the license accepted on the model page), "
+            "or set model.path to a local folder or to the model's single .safetensors file.")
+    return folder
 
 
 def _check_folder(folder: Path, family: "Family", shown: str) -> Path:

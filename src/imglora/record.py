@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from . import atomic
 from .hashing import sha256_file
 from .version import __version__
-from .tiny import imglora_home
+from .home import imglora_home
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt")
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "accelerate", "optimum-quanto", "safetensors")

@@ -15,13 +15,13 @@ never reused.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .atomic import atomic_dir
+from .home import imglora_home
 
 if TYPE_CHECKING:
     from .family import Family
@@ -30,12 +30,6 @@ TINY_VERSION = 1
 
 # Written last into a finished build; a folder without a matching one is never trusted.
 MARKER = "imglora_tiny.json"
-
-
-def imglora_home() -> Path:
-    """Where imglora keeps generated files: ``$IMGLORA_HOME``, else ``~/.cache/imglora``."""
-    env = os.environ.get("IMGLORA_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "imglora"
 
 
 def tiny_dir(name: str, root: Path | None = None) -> Path:

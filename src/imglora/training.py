@@ -59,8 +59,8 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     if not resume_run:
         resume.refuse_existing_run(run_dir, command)
     resume.check_dependencies(cfg)
-    model_dir = resolve_model(cfg.model.path, family)
-    check_swap_counts(family, model_dir, cfg)
+    src = resolve_model(cfg.model, family)
+    check_swap_counts(family, src, cfg)
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
     accelerator = loop.accelerator_for(cfg)
@@ -74,24 +74,25 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
 
     # -- setup: data first (encoders are loaded only for missing entries, then freed) ----------
     with rec.phase("cache"):
-        data = family.prepare_data(cfg, model_dir, device)
+        data = family.prepare_data(cfg, src, device)
     for w in data.warnings:
         out(f"warning: {w}")
     out(f"data: {data.summary}")
     with rec.phase("load_model"):
-        trainable = family.load_trainable(model_dir, cfg, device, devices.weight_dtype(cfg, device))
+        trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
         batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
         total = loop.total_updates(cfg, batcher.per_epoch)
         session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
     n_params = sum(p.numel() for p in session.params)
-    out(f"model: {family.name} from {model_dir}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
+    out(f"model: {family.name} from {src}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
         f"{n_params:,} trainable parameters, device {device}, {total} updates")
     start = resume.restore(resume_from, family, session, data.version, total, out) if resume_from else 0
     run = _Run(cfg, family, session, rec, data, total, start, t_setup, out)
     with rec.phase("checksums"):  # hashed once per file and remembered (record.cached_sha256)
-        rec.set(model_checksums=record.folder_checksums(model_dir))
+        rec.set(model_checksums=src.checksums())
     runlog.plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
-    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(model_dir),
+    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(src.root),
+            model_source=src.to_record(), model_facts=trainable.facts,
             dataset_version=data.version, dataset_items=len(data.samples), trainable_parameters=n_params,
             total_updates=total, resumed_from=start or None, memory=session.memory.facts)
 

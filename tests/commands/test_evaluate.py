@@ -86,7 +86,7 @@ def base_pipeline_images(family_name: str, prompts: list[str], seed: int, **kwar
     import diffusers
 
     family = get_family(family_name)
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(resolve_model(f"tiny:{family_name}", get_family(family_name)))
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(resolve_model(f"tiny:{family_name}", get_family(family_name)).root)
     pipe.set_progress_bar_config(disable=True)
     return [np.asarray(pipe(p, height=64, width=64, num_inference_steps=2,
                             generator=torch.Generator().manual_seed(seed), **kwargs).images[0].convert("RGB"))

@@ -121,7 +121,7 @@ def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
     with torch.no_grad():
         peft_out = unet(x, t, **cond).sample
 
-    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir)
+    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir.root)
     pipe.load_lora_weights(str(result.adapter.parent))
     with torch.no_grad():
         pipe_out = pipe.unet(x, t, **cond).sample

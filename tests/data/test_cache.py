@@ -81,7 +81,7 @@ def test_changing_resolution_or_model_never_reuses_latents(setup, tmp_path: Path
 
     # Another VAE (same architecture, different weights) must not reuse latents either.
     model = tmp_path / "other-model"
-    shutil.copytree(resolve_model("tiny:sdxl", get_family("sdxl")), model)
+    shutil.copytree(resolve_model("tiny:sdxl", get_family("sdxl")).root, model)
     cfg_path = model / "vae" / "config.json"
     vae_cfg = json.loads(cfg_path.read_text())
     vae_cfg["scaling_factor"] = 0.2

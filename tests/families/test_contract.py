@@ -85,7 +85,7 @@ def test_adapter_round_trips_through_diffusers(name: str, small) -> None:
     model = trainable.model.eval()
     lora.inject(model, family, cfg.lora, seed=0)
     lora.load_adapter_state(model, {k.split(".", 1)[1]: v for k, v in weights.items()})
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir)
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir.root)
     pipe.load_lora_weights(str(result.adapter.parent))
     loaded = getattr(pipe, family.denoiser)
     samples = cache.load_samples(cfg, family, model_dir, "cpu",

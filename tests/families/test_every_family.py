@@ -49,7 +49,7 @@ def test_is_a_family_with_a_section_a_tiny_model_and_a_data_version(prepared) ->
     family, cfg, model_dir, data = prepared
     assert supports(family, Family) and registry.get(family.name).name == family.name
     assert cfg.family is not None and type(cfg.family) is family.section  # its own [name] section
-    assert (model_dir / family.model_marker).is_file()
+    assert (model_dir.root / family.model_marker).is_file()
     assert isinstance(data, PreparedData) and data.samples and len(data.version) == 64
     assert family.data_version(cfg) == data.version  # the same version without any model
 

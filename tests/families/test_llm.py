@@ -15,7 +15,7 @@ from imglora.families.llm.chat import IGNORE, encode, length_report, percentile,
 from imglora.errors import DataError, ImgloraError
 from imglora.families import get_family
 from imglora.families.llm import ADAPTER_FILE, LlmTrainable
-from imglora.models import resolve_model
+from imglora.models import ModelSource, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-llm.toml"
@@ -31,7 +31,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return resolve_model("tiny:llm", get_family("llm"))
+    return resolve_model("tiny:llm", get_family("llm")).root
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_prepare_data_truncates_reports_and_skips(tmp_path: Path, model_dir: Pat
     cfg = load_config(PRESET, [f"llm.data_file={json.dumps(str(data))}", "llm.max_seq_len=64",
                                'llm.holdout_file=""', "llm.holdout_fraction=0.0"])
     family = get_family("llm")
-    prepared = family.prepare_data(cfg, model_dir, torch.device("cpu"))
+    prepared = family.prepare_data(cfg, ModelSource(model_dir), torch.device("cpu"))
     assert len(prepared.samples) == 4 and not prepared.validation
     assert any("2 of 5 conversations (40.0%) are longer than llm.max_seq_len = 64" in w for w in prepared.warnings)
     assert any(f"1 conversation has no assistant token within llm.max_seq_len = 64; skipped: {data}:4 ("
@@ -173,8 +173,8 @@ def test_holdout_fraction_is_deterministic(tmp_path: Path, model_dir: Path) -> N
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     over = [f"llm.data_file={json.dumps(str(data))}", 'llm.holdout_file=""', "llm.holdout_fraction=0.2"]
     family = get_family("llm")
-    a = family.prepare_data(load_config(PRESET, over), model_dir, torch.device("cpu"))
-    b = family.prepare_data(load_config(PRESET, over), model_dir, torch.device("cpu"))
+    a = family.prepare_data(load_config(PRESET, over), ModelSource(model_dir), torch.device("cpu"))
+    b = family.prepare_data(load_config(PRESET, over), ModelSource(model_dir), torch.device("cpu"))
     assert (len(a.samples), len(a.validation)) == (16, 4)
     assert [s.variants[0]["input_ids"].tolist() for s in a.validation] == \
            [s.variants[0]["input_ids"].tolist() for s in b.validation]
@@ -216,7 +216,7 @@ def test_qint4_keeps_lora_trainable_and_saves_memory(model_dir: Path) -> None:
 
     family = get_family("llm")
     cfg = load_config(PRESET)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    trainable = family.load_trainable(ModelSource(model_dir), cfg, torch.device("cpu"), torch.float32)
     model = trainable.model
     lora.inject(model, family, cfg.lora, seed=0)
     report = quantize_4bit(model, family.quantize_exclude, "qint4")
@@ -307,7 +307,7 @@ def test_adapter_loads_in_peft_changes_logits_and_merges(run, model_dir: Path, t
 
     # read_adapter gives the keys lora.load_adapter_state expects (the resume path).
     family = get_family("llm")
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    trainable = family.load_trainable(ModelSource(model_dir), cfg, torch.device("cpu"), torch.float32)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     lora.load_adapter_state(trainable.model, family.read_adapter(adapter))
     with torch.no_grad():

@@ -19,10 +19,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import atomic
 from ..errors import ImgloraError
+
+if TYPE_CHECKING:
+    from ..source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -251,8 +254,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             trainable = family.full_trainable(cfg, dtype)
             data_source = "synthetic"
         else:
-            model_dir = resolve_model(cfg.model.path, family)
-            trainable = family.load_trainable(model_dir, cfg, device, dtype)
+            src = resolve_model(cfg.model, family)
+            trainable = family.load_trainable(src, cfg, device, dtype)
         stage = "memory setup"
         # The swap count is the setting's, as kohya counts it (the preset's explicit counts do not apply).
         session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None,
@@ -260,7 +263,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         memory = session.memory
         result["weight_bytes"] = weight_bytes(session.model)
         if spec["arch"] != "full":
-            batches, data_source = _cached_or_synthetic(cfg, family, model_dir, trainable, device)
+            batches, data_source = _cached_or_synthetic(cfg, family, src, trainable, device)
         else:
             batches = [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)]
         result["data"] = data_source
@@ -295,19 +298,19 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8")}
 
 
-def _cached_or_synthetic(cfg: Any, family: Any, model_dir: Path, trainable: Any, device: Any) -> tuple[list, str]:
+def _cached_or_synthetic(cfg: Any, family: Any, src: "ModelSource", trainable: Any, device: Any) -> tuple[list, str]:
     from ..data import cache
     from ..family import CacheEncoder, supports
 
     if not supports(family, CacheEncoder):  # a family without an encoder cache: its data is cheap to prepare
-        return _batches(family.prepare_data(cfg, model_dir, device).samples, cfg, family, device), "data"
-    the_plan = cache.plan(cfg, family, model_dir, device)
+        return _batches(family.prepare_data(cfg, src, device).samples, cfg, family, device), "data"
+    the_plan = cache.plan(cfg, family, src, device)
     store = cache.Cache(cfg.cache.dir)
     complete = all(store.has("latents", s.key) for s in the_plan.latents) and \
         all(store.has("text", s.key) for s in the_plan.texts.values())
     if not complete:
         return [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)], "synthetic"
-    samples = cache.load_samples(cfg, family, model_dir, device, the_plan)
+    samples = cache.load_samples(cfg, family, src, device, the_plan)
     return _batches(samples, cfg, family, device), "cache"
 
 

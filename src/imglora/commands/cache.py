@@ -26,13 +26,13 @@ def cache_latents(cfg: Config, *, verify: bool, out: Callable[[str], None], warn
         check_writable(cfg.cache.dir, "cache.dir")
     rec = record.RunRecord("cache-latents", cfg.run_dir, cfg.to_dict())
     with rec.phase("resolve_model"):
-        model_dir = resolve_model(cfg.model.path, family)
+        src = resolve_model(cfg.model, family)
     with rec.phase("scan"):
         scanned = scan(cfg, family)
     for w in scanned.warnings:
         warn(f"warning: {w}")
     if verify:
-        report = cache.verify(cfg, family, model_dir, device)
+        report = cache.verify(cfg, family, src, device)
         out(f"{report.ok} entries ok, {len(report.missing)} missing, {len(report.stale)} stale, "
             f"{len(report.corrupt)} corrupt")
         for label, rows in (("missing", report.missing), ("stale", report.stale), ("corrupt", report.corrupt)):
@@ -43,12 +43,12 @@ def cache_latents(cfg: Config, *, verify: bool, out: Callable[[str], None], warn
             return 1
         return 0
     with rec.phase("cache"):
-        the_plan, stats = cache.fill_cache(cfg, family, model_dir, device)
+        the_plan, stats = cache.fill_cache(cfg, family, src, device)
     out(f"latents: {stats.latents_encoded} encoded, {stats.latents_reused} reused; "
         f"text: {stats.texts_encoded} encoded, {stats.texts_reused} reused; "
         f"{stats.seconds:.2f} s (cache in {cfg.cache.dir})")
     with rec.phase("checksums"):
-        rec.set(model_dir=str(model_dir), model_checksums=record.folder_checksums(model_dir),
+        rec.set(model_dir=str(src.root), model_source=src.to_record(), model_checksums=src.checksums(),
                 dataset_version=dataset_version(split_holdout(cfg, scanned)[0].items),
                 dataset_items=len(scanned.items),
                 cache_identities=the_plan.identities,

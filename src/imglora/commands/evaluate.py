@@ -175,10 +175,10 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
               dtype: torch.dtype, swap: int | None, rec: record.RunRecord, peaks: "_PhasePeaks", result: EvalResult,
               out: Callable[[str], None]) -> None:
     with peaks.phase("resolve_model"):
-        model_dir = resolve_model(cfg.model.path, family)
-        check_swap_counts(family, model_dir, cfg, swap)
+        src = resolve_model(cfg.model, family)
+        check_swap_counts(family, src, cfg, swap)
     with peaks.phase("cache"):  # held-out images are cached with the training images; usually all reused
-        data = family.prepare_data(cfg, model_dir, device)
+        data = family.prepare_data(cfg, src, device)
     held = list(data.validation)
     stride = max(1, math.ceil(len(data.samples) / MAX_TRAIN_LOSS_IMAGES))
     train = list(data.samples)[::stride]
@@ -187,10 +187,10 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
         f"{', '.join(f'{s:g}' for s in strengths)}, seed {seed}; loss on {len(held)} held-out and "
         f"{len(train)} training image(s)")
     with peaks.phase("encode_prompts"):
-        encoded = family.encode_prompts(model_dir, prompts, cfg, device)
+        encoded = family.encode_prompts(src, prompts, cfg, device)
 
     with peaks.phase("load_model"):
-        trainable = family.load_trainable(model_dir, cfg, device, dtype)
+        trainable = family.load_trainable(src, cfg, device, dtype)
         model = trainable.model
         _, memory = loop.adapt(trainable, family, cfg, device, out, blocks_to_swap=swap)
         model.eval()
@@ -201,7 +201,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             for name, p in model.named_parameters():
                 if "lora_" not in name:
                     p.requires_grad_(True)
-        sampler = family.load_sampler(model_dir, model, cfg, device, dtype)
+        sampler = family.load_sampler(src, model, cfg, device, dtype)
     settings = getattr(sampler, "settings", {})
     hook = model.register_forward_pre_hook(lambda *_: memory.before_forward())  # block swap prefetch
     autocast = loop.accelerator_for(cfg).autocast  # the training step's mixed precision
@@ -263,7 +263,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     elif not held:
         out("no held-out images (set eval.holdout or eval.holdout_dir), so no best checkpoint is named: "
             "the training-image loss keeps falling as a LoRA overfits")
-    rec.set(model_dir=str(model_dir), pid=os.getpid(), prompts=prompts, strengths=strengths, seed=seed,
+    rec.set(model_dir=str(src.root), model_source=src.to_record(), pid=os.getpid(), prompts=prompts, strengths=strengths, seed=seed,
             sampling=settings, memory=memory.facts,
             memory_settings={"fp8": cfg.memory.fp8, "blocks_to_swap": cfg.memory.blocks_to_swap,
                              "swap": memory.facts.get("swap")},

@@ -45,8 +45,21 @@ DType = Literal["bf16", "fp16", "fp32"]
 class ModelConfig:
     family: str = setting(help="Model family; `imglora config --keys` lists the installed ones.")
     path: str = setting(help="A local diffusers/transformers folder, a hub id already in the local Hugging Face "
-                             "cache, or tiny:<family> (a tiny random model built offline).")
+                             "cache, tiny:<family> (a tiny random model built offline), or, where the family "
+                             "supports it, the model's single .safetensors file (as Civitai and ComfyUI users "
+                             "have it).")
     dtype: DType = setting("bf16", help="Precision of the frozen base weights on a GPU (fp32 on CPU).")
+    vae: str = setting("", help="With a single-file model: a VAE file, used instead of the model's own or where "
+                                "the model file has none.")
+    text_encoder: str = setting("", help="With a single-file model whose text encoders are files of their own: "
+                                         "the first one's file (e.g. clip_l.safetensors).")
+    text_encoder_2: str = setting("", help="With a single-file model whose text encoders are files of their own: "
+                                           "the second one's file (e.g. t5xxl_fp16.safetensors).")
+    config: str = setting("", help="With a single-file model: a diffusers folder or cached hub id whose configs and "
+                                   "tokenizers describe the architecture; empty = the configs imglora ships for "
+                                   "the real models, tokenizers from the Hugging Face cache or model.comfyui.")
+    comfyui: str = setting("", help="A ComfyUI folder: the model files above may then be bare names, looked up "
+                                    "in its model folders and extra_model_paths.yaml as ComfyUI does.")
 
 
 @dataclass(frozen=True)

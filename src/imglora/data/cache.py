@@ -34,6 +34,7 @@ from .scan import scan, split_holdout, scan_result
 from .store import Cache, CorruptEntry
 
 if TYPE_CHECKING:
+    from ..source import ModelSource
     import torch
 
     from ..config import Config
@@ -99,14 +100,14 @@ def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan
                      the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities))
 
 
-def plan(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
+def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
          scanned: ScanResult | None = None) -> CachePlan:
     """Compute every entry's key without loading a model or decoding an image."""
     scanned = scanned or scan(cfg, family)
     enc_dtype = devices.encoder_dtype_name(cfg.cache.encoder_dtype, device)
     max_len = cfg.cache.text_max_length or family.text_max_length
-    vae_id = record.identity(family.vae_folders(model_dir))
-    text_id = record.identity(family.text_folders(model_dir))
+    vae_id = record.identity(family.vae_folders(src))
+    text_id = record.identity(family.text_folders(src))
     latents = []
     for item in scanned.items:
         sha = sha256_file(item.path)
@@ -127,11 +128,11 @@ def plan(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device
     return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id})
 
 
-def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
+def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
                the_plan: CachePlan | None = None, progress: bool = True) -> tuple[CachePlan, FillStats]:
     """Encode every missing entry; load the VAE / text encoders only if something is missing."""
     t0 = time.perf_counter()
-    the_plan = the_plan or plan(cfg, family, model_dir, device)
+    the_plan = the_plan or plan(cfg, family, src, device)
     cache = Cache(cfg.cache.dir)
     stats = FillStats()
     # Existence is enough here: entries are renamed into place only when complete. Readers verify
@@ -145,7 +146,7 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
         import torch
 
         dtype = devices.dtype(the_plan.encoder_dtype)
-        vae = family.load_vae(model_dir, torch.device(device), dtype)
+        vae = family.load_vae(src, torch.device(device), dtype)
         stats.loaded_vae = True
         with Progress(len(todo_lat), "encoding latents", enabled=progress) as bar:
             for spec in todo_lat:
@@ -158,7 +159,7 @@ def fill_cache(cfg: "Config", family: "Family", model_dir: Path, device: "torch.
     if todo_txt:
         import torch
 
-        encoders = family.load_text_encoders(model_dir, torch.device(device), devices.dtype(the_plan.encoder_dtype))
+        encoders = family.load_text_encoders(src, torch.device(device), devices.dtype(the_plan.encoder_dtype))
         stats.loaded_text_encoders = True
         with Progress(len(todo_txt), "encoding captions", enabled=progress) as bar:
             for spec in todo_txt:
@@ -226,11 +227,11 @@ class VerifyReport:
     corrupt: list[str] = field(default_factory=list)
 
 
-def verify(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str") -> VerifyReport:
+def verify(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> VerifyReport:
     """Re-check every entry the manifest lists against the data and models as they are now."""
     report = VerifyReport()
     cache = Cache(cfg.cache.dir)
-    current = plan(cfg, family, model_dir, device)
+    current = plan(cfg, family, src, device)
     now_keys = {s.key for s in current.latents} | {s.key for s in current.texts.values()}
     try:
         manifest = json.loads(manifest_path(cfg).read_text())
@@ -255,7 +256,7 @@ def verify(cfg: "Config", family: "Family", model_dir: Path, device: "torch.devi
     return report
 
 
-def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str",
+def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
                  the_plan: CachePlan, stats: FillStats | None = None) -> list[Sample]:
     """Read every entry of the plan into memory; a corrupt entry is dropped and re-encoded once
     (counted in ``stats`` when given)."""
@@ -279,7 +280,7 @@ def load_samples(cfg: "Config", family: "Family", model_dir: Path, device: "torc
                         cache.get(kind, key)
                     except CorruptEntry:
                         cache.drop(kind, key)
-            _, refill = fill_cache(cfg, family, model_dir, device, the_plan)
+            _, refill = fill_cache(cfg, family, src, device, the_plan)
             if stats is not None:  # what was just re-encoded was counted as reused before
                 stats.latents_encoded += refill.latents_encoded
                 stats.latents_reused -= refill.latents_encoded
@@ -310,14 +311,14 @@ def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
             "cache.text_max_length where the encoder allows it")
 
 
-def prepare_images(cfg: "Config", family: "Family", model_dir: Path, device: "torch.device | str") -> PreparedData:
+def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> PreparedData:
     """Fill the cache for whatever is missing (encoders loaded only then, and freed), load it."""
     from .dataset import dataset_version
 
-    the_plan, stats = fill_cache(cfg, family, model_dir, device)  # held-out images too: one encoder load
+    the_plan, stats = fill_cache(cfg, family, src, device)  # held-out images too: one encoder load
     train_scan, held_scan = split_holdout(cfg, the_plan.scan)
-    samples = load_samples(cfg, family, model_dir, device, subplan(the_plan, train_scan.items), stats)
-    held = (load_samples(cfg, family, model_dir, device, subplan(the_plan, held_scan.items), stats)
+    samples = load_samples(cfg, family, src, device, subplan(the_plan, train_scan.items), stats)
+    held = (load_samples(cfg, family, src, device, subplan(the_plan, held_scan.items), stats)
             if held_scan.items else [])
     warnings = list(the_plan.scan.warnings)
     overflow = overflow_warning(cfg, the_plan)

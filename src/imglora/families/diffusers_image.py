@@ -19,28 +19,41 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from ..config import Config
+    from ..source import ModelSource
 
 ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' load_lora_weights looks for
 
 
-def vae_folders(family: Any, model_dir: Path) -> list[Path]:
-    return [model_dir / "vae"]
+def _weights_of(src: "ModelSource", part: str) -> list[Path]:
+    """The single file holding ``part``: its own, else the full checkpoint that holds every part."""
+    for name in (part, "checkpoint"):
+        if name in src.files:
+            return [src.files[name]]
+    return []
 
 
-def text_folders(family: Any, model_dir: Path) -> list[Path]:
-    return [model_dir / n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
+def vae_folders(family: Any, src: "ModelSource") -> list[Path]:
+    """What the latents' cache identity hashes: the VAE's config folder and its weights."""
+    return [src.root / "vae", *_weights_of(src, "vae")]
 
 
-def load_vae(family: Any, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+def text_folders(family: Any, src: "ModelSource") -> list[Path]:
+    """What the text entries' identity hashes: encoders' configs, tokenizers, and weights."""
+    parts = [src.root / n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
+    weights = {p for part in ("text_encoder", "text_encoder_2") for p in _weights_of(src, part)}
+    return parts + sorted(weights)
+
+
+def load_vae(family: Any, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype).to(device).eval()
+    return AutoencoderKL.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype).to(device).eval()
 
 
-def prepare_data(family: Any, cfg: "Config", model_dir: Path, device: torch.device) -> Any:
+def prepare_data(family: Any, cfg: "Config", src: "ModelSource", device: torch.device) -> Any:
     from ..data.cache import prepare_images
 
-    return prepare_images(cfg, family, model_dir, device)
+    return prepare_images(cfg, family, src, device)
 
 
 def data_version(family: Any, cfg: "Config") -> str:
@@ -125,11 +138,11 @@ def _shared_first_tag(captions: list[str]) -> str:
     return firsts.pop() if len(firsts) == 1 else ""
 
 
-def encode_prompts(family: Any, model_dir: Path, prompts: list[str], cfg: "Config",
+def encode_prompts(family: Any, src: "ModelSource", prompts: list[str], cfg: "Config",
                    device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Prompt embeddings as the cache computes captions' (same encoders, precision and length),
     then the encoders are freed: they are never in memory together with the denoiser."""
-    encoders = family.load_text_encoders(model_dir, device, devices.dtype(devices.encoder_dtype_name(
+    encoders = family.load_text_encoders(src, device, devices.dtype(devices.encoder_dtype_name(
         cfg.cache.encoder_dtype, device)))
     max_len = cfg.cache.text_max_length or family.text_max_length
     out = [family.encode_text(encoders, p, max_len) for p in prompts]
@@ -144,18 +157,21 @@ def sample_size(cfg: "Config", family: Any) -> int:
     return max(step, cfg.data.resolution // step * step)
 
 
-def diffusers_sampler(family: Any, model_dir: Path, model: torch.nn.Module, cfg: "Config", device: torch.device,
-                      dtype: torch.dtype, default_guidance: float) -> Callable[..., Any]:
+def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, cfg: "Config", device: torch.device,
+                      dtype: torch.dtype, default_guidance: float,
+                      scheduler_overrides: dict[str, Any] | None = None) -> Callable[..., Any]:
     """A sampler over the family's diffusers pipeline built around the trained (LoRA-injected)
     denoiser, without text encoders: prompts arrive as embeddings (see encode_prompts)."""
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()  # imglora prints its own progress
-    vae = family.load_vae(model_dir, device, dtype)
+    vae = family.load_vae(src, device, dtype)
     none = {name: None for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(model_dir, vae=vae, **none,
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(src.root, vae=vae, **none,
                                                                **{family.denoiser: model})
     pipe.set_progress_bar_config(disable=True)
+    if scheduler_overrides:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **scheduler_overrides)
     size = sample_size(cfg, family)
     guidance = cfg.eval.guidance_scale or default_guidance
     steps = cfg.eval.sample_steps

@@ -161,7 +161,7 @@ def _in_lora(name: str) -> bool:
     return any(part in LORA_MODULE_NAMES for part in name.split("."))
 
 
-def _linear_targets(model: nn.Module, exclude: Sequence[str]) -> tuple[list[str], list[str]]:
+def _linear_targets(model: nn.Module, exclude: Sequence[str], prefix: str = "") -> tuple[list[str], list[str]]:
     quantize, kept = [], []
     for name, mod in model.named_modules():
         # Exactly nn.Linear: subclasses (e.g. MultiheadAttention's out_proj, read as a raw weight by
@@ -170,8 +170,28 @@ def _linear_targets(model: nn.Module, exclude: Sequence[str]) -> tuple[list[str]
             continue
         if mod.weight.is_meta:
             raise ValueError(f"cannot quantize {name!r}: its weight is on the meta device (load the model first)")
-        (kept if _excluded(name, exclude) else quantize).append(name)
+        (kept if _excluded(prefix + name, exclude) else quantize).append(name)
     return quantize, kept
+
+
+def dense_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers as if none were quantized (a quanto tensor
+    counted at its dequantized dtype): the size quantization started from."""
+    seen: set[int] = set()
+    total = 0
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _already_fp8(model: nn.Module) -> int:
+    """Linear layers quantized to fp8 before (e.g. block by block while a model was read)."""
+    from optimum.quanto import qfloat8
+    from optimum.quanto.nn import QLinear
+
+    return sum(1 for m in model.modules() if isinstance(m, QLinear) and getattr(m, "weight_qtype", None) == qfloat8)
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -180,12 +200,15 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, attr, new)
 
 
-def quantize_fp8(model: nn.Module, exclude: Sequence[str] = ()) -> Fp8Report:
+def quantize_fp8(model: nn.Module, exclude: Sequence[str] = (), prefix: str = "") -> Fp8Report:
     """Store the frozen ``nn.Linear`` weights of ``model`` in fp8 (quanto ``qfloat8``), in place.
 
     ``exclude``: fnmatch patterns on module names (``"x_embedder"``, ``"time_text_embed*"``). A
     match keeps that module and everything under it in high precision; peft's ``.base_layer`` is
     ignored when matching. Trainable Linear layers and peft LoRA modules are never quantized.
+    ``prefix``: ``model``'s own name in the whole model, when it is a part (a block quantized as it
+    is read), so the patterns match as they would on the whole model. Layers quantized before are
+    counted in the report, which then describes the model as a whole.
 
     Layers are quantized one at a time, so peak memory is the model plus one layer. Works on CPU
     and CUDA; the quantized weights stay on the device they were on (quantizing on the GPU is much
@@ -197,8 +220,9 @@ def quantize_fp8(model: nn.Module, exclude: Sequence[str] = ()) -> Fp8Report:
     from optimum.quanto.nn import quantize_module
     from optimum.quanto.tensor import quantize_weight
 
-    bytes_before = weight_bytes(model)
-    names, kept = _linear_targets(model, list(exclude))
+    bytes_before = dense_bytes(model)
+    before = _already_fp8(model)
+    names, kept = _linear_targets(model, list(exclude), prefix)
     with torch.no_grad():
         for name in names:
             # Look the module up by name (not from a list of modules) so that no reference to the
@@ -225,7 +249,7 @@ def quantize_fp8(model: nn.Module, exclude: Sequence[str] = ()) -> Fp8Report:
     return Fp8Report(
         bytes_before=bytes_before,
         bytes_after=weight_bytes(model),
-        n_quantized=len(names),
+        n_quantized=len(names) + before,
         n_kept=len(kept),
         kept=tuple(kept),
     )

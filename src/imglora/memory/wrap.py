@@ -18,6 +18,7 @@ from ..family import Swappable, supports
 from .fp8 import to_device
 
 if TYPE_CHECKING:
+    from ..source import ModelSource
     from .swap import BlockSwapper
 
 
@@ -31,10 +32,10 @@ class MemorySetup:
             self.swapper.prepare_forward()
 
 
-def check_swap_counts(family: Any, model_dir: Any, cfg: Any, blocks_to_swap: int | None = None) -> None:
+def check_swap_counts(family: Any, src: "ModelSource", cfg: Any, blocks_to_swap: int | None = None) -> None:
     """Refuse a swap setting the model cannot take before the model is loaded (from its config)."""
     if supports(family, Swappable):
-        family.swap_counts(family.block_counts(model_dir), cfg, blocks_to_swap)
+        family.swap_counts(family.block_counts(src), cfg, blocks_to_swap)
 
 
 def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,

@@ -331,14 +331,16 @@ def write_clip_l(diffusers_dir: Path, out_file: Path) -> Path:
     return _save(_hf_clip_keys(sd), out_file)
 
 
-def write_t5xxl(diffusers_dir: Path, out_file: Path, *, fp8: bool = False) -> Path:
+def write_t5xxl(diffusers_dir: Path, out_file: Path, *, fp8: bool = False,
+                dtype: torch.dtype = torch.float16) -> Path:
     """t5xxl_fp16.safetensors, or t5xxl_fp8_e4m3fn.safetensors with ``fp8=True`` (every tensor,
     norms and embeddings included, in float8_e4m3fn). HF T5EncoderModel names, the shared
-    embedding stored twice (``shared.weight`` and ``encoder.embed_tokens.weight``) as in those files."""
+    embedding stored twice (``shared.weight`` and ``encoder.embed_tokens.weight``) as in those files.
+    ``dtype``: another storage precision (float32 for comparisons that must be exact)."""
     sd, _ = _component(diffusers_dir, "text_encoder_2")
     sd.setdefault("encoder.embed_tokens.weight", sd["shared.weight"])
-    dtype = FP8 if fp8 else torch.float16
-    return _save({k: v.to(dtype) for k, v in sd.items()}, out_file)
+    dtype = FP8 if fp8 else dtype
+    return _save({k: v.to(dtype, copy=True) for k, v in sd.items()}, out_file)
 
 
 # --------------------------------------------------------------------------------------------

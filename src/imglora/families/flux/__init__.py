@@ -9,13 +9,16 @@ protocol of ``imglora.family`` except ``Mergeable``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .. import diffusers_image as common
-from . import comfyui, keys, model, swap, tiny
+from . import comfyui, keys, model, singlefile, swap, tiny
 from .config import FluxConfig
+
+if TYPE_CHECKING:
+    from ...source import ModelSource
 
 
 class FluxFamily:
@@ -46,7 +49,6 @@ class FluxFamily:
     # Shared with the other diffusers image family (see diffusers_image).
     vae_folders = common.vae_folders
     text_folders = common.text_folders
-    load_vae = common.load_vae
     prepare_data = common.prepare_data
     data_version = common.data_version
     collate = common.collate
@@ -65,22 +67,32 @@ class FluxFamily:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     # -- cache ------------------------------------------------------------------------------
+    def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        if src.files:
+            return singlefile.load_vae(src, dtype).to(device).eval()
+        return common.load_vae(self, src, device, dtype)
+
     @torch.no_grad()
     def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
         latents = (latents[0] - vae.config.shift_factor) * vae.config.scaling_factor
         return {"latents": latents.float().cpu()}
 
-    def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-        return (
-            CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
-            T5TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer_2"),
-            CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype).to(device).eval(),
-            T5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder_2", torch_dtype=dtype).to(device).eval(),
-        )
+        tokenizers = (CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer"),
+                      T5TokenizerFast.from_pretrained(src.root, subfolder="tokenizer_2"))
+        if src.files:
+            encoders = singlefile.load_text_encoders(src, dtype)
+        else:
+            encoders = (CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype),
+                        T5EncoderModel.from_pretrained(src.root, subfolder="text_encoder_2", torch_dtype=dtype))
+        return (*tokenizers, *(e.to(device).eval() for e in encoders))
 
     @torch.no_grad()
     def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
@@ -101,8 +113,8 @@ class FluxFamily:
         return {"T5": (len(t5_tok(caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(model_dir, cfg, dtype)
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype) -> Any:
         return model.full_trainable(cfg, dtype)
@@ -111,17 +123,17 @@ class FluxFamily:
         return model.synthetic_batch(trainable, resolution, cfg, device)
 
     # -- block swapping ---------------------------------------------------------------------
-    def block_counts(self, model_dir: Path) -> list[int]:
-        return swap.block_counts(model_dir)
+    def block_counts(self, src: "ModelSource") -> list[int]:
+        return swap.block_counts(src)
 
     def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
         return swap.swap_counts(lengths, cfg, override)
 
     # -- evaluation -------------------------------------------------------------------------
-    def load_sampler(self, model_dir: Path, denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+    def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Callable[..., Any]:
         # FLUX.1-dev is guidance-distilled: 3.5 is its usual embedded guidance at inference.
-        return common.diffusers_sampler(self, model_dir, denoiser, cfg, device, dtype, default_guidance=3.5)
+        return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=3.5)
 
     # -- export -----------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
@@ -131,6 +143,6 @@ class FluxFamily:
         return keys.metadata(cfg, record)
 
     def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
-                      with_clip: bool) -> list[Any]:
-        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, with_clip=with_clip)
+                      with_clip: bool, model: Any = None) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, with_clip=with_clip, model=model)
 

@@ -3,7 +3,9 @@ DualCLIPLoader + VAELoader -> LoRA -> FluxGuidance -> KSampler -> image."""
 
 from __future__ import annotations
 
-from ...comfyui import UI_ONLY, Node, Sampling, ksampler, text_node
+from typing import Any
+
+from ...comfyui import UI_ONLY, Node, Sampling, file_name, ksampler, text_node
 
 # The file names in ComfyUI's official FLUX.1-dev example workflow.
 UNET = "flux1-dev.safetensors"
@@ -13,10 +15,18 @@ VAE = "ae.safetensors"
 SAMPLING = Sampling(1024, 1024, steps=20, cfg=1.0, sampler="euler", scheduler="simple", guidance=3.5)
 
 
-def nodes(lora_name: str, prompt: str, negative: str, seed: int, prefix: str, with_clip: bool = False) -> list[Node]:
-    """FLUX.1-dev as split files. The LoRA patches only the model (LoraLoaderModelOnly) unless it
-    also holds CLIP-L weights. At cfg 1 the negative is never evaluated, but KSampler needs one."""
+def nodes(lora_name: str, prompt: str, negative: str, seed: int, prefix: str, with_clip: bool = False,
+          model: Any = None) -> list[Node]:
+    """FLUX.1-dev as split files: the very files the run trained on when it was given files
+    (``model``, the preset's [model] section), else the usual names. The LoRA patches only the model
+    (LoraLoaderModelOnly) unless it also holds CLIP-L weights. At cfg 1 the negative is never
+    evaluated, but KSampler needs one."""
     s = SAMPLING
+    comfy = getattr(model, "comfyui", "")
+    unet = file_name(getattr(model, "path", ""), comfy, UNET)
+    clip_l = file_name(getattr(model, "text_encoder", ""), comfy, CLIP_L)
+    t5 = file_name(getattr(model, "text_encoder_2", ""), comfy, T5)
+    vae = file_name(getattr(model, "vae", ""), comfy, VAE)
     if with_clip:
         lora = Node(4, "LoraLoader", (350, 100), links=[("model", "MODEL", (1, 0)), ("clip", "CLIP", (2, 0))],
                     widgets=[("lora_name", lora_name), ("strength_model", 1.0), ("strength_clip", 1.0)],
@@ -27,15 +37,15 @@ def nodes(lora_name: str, prompt: str, negative: str, seed: int, prefix: str, wi
                     widgets=[("lora_name", lora_name), ("strength_model", 1.0)], outputs=["MODEL"])
         clip = (2, 0)
     return [
-        Node(1, "UNETLoader", (0, 100), widgets=[("unet_name", UNET), ("weight_dtype", "default")],
+        Node(1, "UNETLoader", (0, 100), widgets=[("unet_name", unet), ("weight_dtype", "default")],
              outputs=["MODEL"]),
         Node(2, "DualCLIPLoader", (0, 300),
-             widgets=[("clip_name1", CLIP_L), ("clip_name2", T5), ("type", "flux"),
+             widgets=[("clip_name1", clip_l), ("clip_name2", t5), ("type", "flux"),
                       # optional input newer ComfyUI shows as a widget; left out of the API prompt
                       # so that older servers accept it too
                       (UI_ONLY, "default")],
              outputs=["CLIP"], size=(315, 130)),
-        Node(3, "VAELoader", (0, 500), widgets=[("vae_name", VAE)], outputs=["VAE"]),
+        Node(3, "VAELoader", (0, 500), widgets=[("vae_name", vae)], outputs=["VAE"]),
         lora,
         text_node(5, (700, 100), clip, prompt),
         Node(6, "FluxGuidance", (1150, 100), links=[("conditioning", "CONDITIONING", (5, 0))],

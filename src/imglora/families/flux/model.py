@@ -4,19 +4,26 @@ position ids, target ``noise - latents``, the guidance embedding, timestep sampl
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...tiny import random_init
+from . import singlefile, swap
+
+if TYPE_CHECKING:
+    from ...source import ModelSource
 
 
-def load_trainable(model_dir: Path, cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                   quantize_exclude: tuple[str, ...]) -> "FluxTrainable":
     from diffusers import FluxTransformer2DModel
 
-    # Loaded on the CPU: fp8 quantization and block swapping decide what goes to the device.
-    transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=dtype)
+    if src.files:  # streamed: each block quantized and placed as it is read (see singlefile)
+        swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
+        transformer = singlefile.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
+    else:  # on the CPU: fp8 quantization and block swapping decide what goes to the device
+        transformer = FluxTransformer2DModel.from_pretrained(src.root, subfolder="transformer", torch_dtype=dtype)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     return FluxTrainable(transformer, cfg.family)
@@ -101,6 +108,7 @@ class FluxTrainable:
         self.model = transformer
         self.settings = settings
         self.guidance = settings.guidance if transformer.config.guidance_embeds else None
+        self.facts = {"variant": "dev" if transformer.config.guidance_embeds else "schnell"}
 
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
         latents = batch["latents"]

@@ -14,6 +14,7 @@ in-memory dict, hard-codes the FLUX.1 width (3072), and ignores fp8 scale keys.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -182,3 +183,91 @@ def _check_header(r: Reader, prefix: str, plan: Mapping[str, Source], shapes: Ma
     if problems:
         raise ModelSourceError(f"{r.path}: the FLUX transformer does not fit the config given (layers, width, "
                                "channels): " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# The family's single-file model source
+# --------------------------------------------------------------------------------------------
+
+CONFIGS = Path(__file__).parent / "configs"
+CLIP_TOKENIZER = [("black-forest-labs/FLUX.1-dev", "tokenizer"), ("black-forest-labs/FLUX.1-schnell", "tokenizer"),
+                  ("openai/clip-vit-large-patch14", "")]
+T5_TOKENIZER = [("black-forest-labs/FLUX.1-dev", "tokenizer_2"), ("black-forest-labs/FLUX.1-schnell", "tokenizer_2"),
+                ("google/t5-v1_1-xxl", "")]
+# part -> (preset key, ComfyUI folders, the kind of file, an example name, its part name inside a full checkpoint)
+PARTS = {
+    "text_encoder": ("text_encoder", ("text_encoders",), "clip-l", "clip_l.safetensors", "clip_l"),
+    "text_encoder_2": ("text_encoder_2", ("text_encoders",), "t5xxl", "t5xxl_fp16.safetensors", "t5xxl"),
+    "vae": ("vae", ("vae",), "vae-flux", "ae.safetensors", "vae"),
+}
+
+
+def resolve_files(model: Any, find: Any) -> Any:
+    """The transformer file (``model.path``, in ComfyUI's diffusion_models folder, or a full
+    checkpoint), its text encoders and VAE (``model.text_encoder``, ``model.text_encoder_2``,
+    ``model.vae``; parts a full checkpoint holds may be left out), and the folder of FLUX.1-dev's or
+    -schnell's configs (as the file says) with CLIP's and T5's tokenizers."""
+    from ...source import ModelSource
+    from ..singlefile.configdir import assemble, find_tokenizer, override
+
+    path = find(model.path, ("diffusion_models", "checkpoints"), "model.path")
+    layout = expect(path, "flux-transformer")
+    files = {"transformer": path}
+    missing = []
+    for part, (key, folders, kind, example, inside) in PARTS.items():
+        name = getattr(model, key)
+        if name:
+            files[part] = find(name, folders, f"model.{key}")
+            expect(files[part], kind, also=("flux-transformer",))
+        elif inside in layout.parts:
+            files[part] = path
+        else:
+            missing.append(f"model.{key} (e.g. {example})")
+    if missing:
+        raise ModelSourceError(f"{path} is a FLUX.1 transformer alone; FLUX also needs its text encoders and VAE as "
+                               f"files: set {', '.join(missing)}")
+    if model.config:
+        return ModelSource(override(model.config), files)
+    clip, _ = find_tokenizer("clip", CLIP_TOKENIZER, model.comfyui, "FLUX's CLIP-L")
+    t5, _ = find_tokenizer("t5", T5_TOKENIZER, model.comfyui, "FLUX's T5")
+    variant = f"flux1-{layout.variant}"  # dev (guidance-distilled) or schnell, as the file says
+    root = assemble(variant, CONFIGS / variant, {"tokenizer": clip, "tokenizer_2": t5},
+                    {"tokenizer": {"model_max_length": 77}})
+    return ModelSource(root, files)
+
+
+def load_vae(src: Any, dtype: torch.dtype) -> Any:
+    from ..singlefile.text import load_flux_vae
+
+    return load_flux_vae(src.files["vae"], src.root, dtype)
+
+
+def load_text_encoders(src: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    from ..singlefile.text import load_clip_l, load_t5
+
+    return (load_clip_l(src.files["text_encoder"], src.root, dtype),
+            load_t5(src.files["text_encoder_2"], src.root, dtype))
+
+
+def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, swapped: set[tuple[str, int]],
+                     exclude: tuple[str, ...]) -> Any:
+    """The transformer streamed block by block, each block made ready as it is read: quantized to
+    fp8 with ``memory.fp8`` (on the GPU when there is one: far faster than on the host), then kept
+    on the device, or on the host when it will be swapped (``swapped``: (kind, index) pairs), so the
+    host never holds the whole model in ``dtype``."""
+    from ...memory.fp8 import quantize_fp8, to_device
+
+    gpu = device.type == "cuda"
+
+    def ready(kind: str, index: int, block: torch.nn.Module) -> None:
+        stays = (kind, index) not in swapped
+        if cfg.memory.fp8:
+            if gpu:
+                to_device(block, device)
+            quantize_fp8(block, exclude, prefix=f"{_BLOCKS[kind]}.{index}.")
+            if gpu and not stays:
+                to_device(block, "cpu")
+        elif gpu and stays:
+            to_device(block, device)
+
+    return load_flux_transformer(src.files["transformer"], src.root, dtype=dtype, on_block=ready)

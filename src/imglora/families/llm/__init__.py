@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,6 +22,9 @@ from .chat import IGNORE
 from .config import LlmConfig
 from .model import (EVAL_MAX_NEW_TOKENS, FULL_CONFIG, LlmTrainable, _Answerer, _enable_checkpointing,
                     _give_add_adapter, base_model_name)
+
+if TYPE_CHECKING:
+    from ...source import ModelSource
 
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name (SAFETENSORS_WEIGHTS_NAME)
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module paths
@@ -52,8 +55,8 @@ class LlmFamily:
         tiny.build(dest, seed)
 
     # -- data ---------------------------------------------------------------------------------
-    def prepare_data(self, cfg: Any, model_dir: Path, device: torch.device) -> Any:
-        prepared, self.pad_id = data.prepare(cfg, model_dir)
+    def prepare_data(self, cfg: Any, src: "ModelSource", device: torch.device) -> Any:
+        prepared, self.pad_id = data.prepare(cfg, src)
         return prepared
 
     def data_version(self, cfg: Any) -> str:
@@ -81,17 +84,17 @@ class LlmFamily:
                 "positions": positions, "targets": targets}
 
     # -- model --------------------------------------------------------------------------------
-    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> LlmTrainable:
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> LlmTrainable:
         from transformers import AutoModelForCausalLM
 
         # On the CPU: apply_memory quantizes layer by layer, then moves the model to the device.
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(src.root, dtype=dtype)
         model.config.use_cache = False  # a KV cache is useless in training and conflicts with checkpointing
         if cfg.memory.gradient_checkpointing:
             # Non-reentrant: works with a frozen base (no enable_input_require_grads needed) and
             # with quantized weights.
             _enable_checkpointing(model)
-        model.imglora_base_model = base_model_name(cfg.model.path, model_dir)
+        model.imglora_base_model = base_model_name(cfg.model.path, src.root)
         _give_add_adapter(model)
         return LlmTrainable(model)
 
@@ -154,8 +157,8 @@ class LlmFamily:
         convs = data.held_out_conversations(cfg) or data.split_conversations(cfg)[0]
         return [next(m["content"] for m in reversed(c.prompt) if m["role"] == "user") for c in convs[:4]]
 
-    def encode_prompts(self, model_dir: Path, prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
-        tokenizer = data.load_tokenizer(model_dir)
+    def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
+        tokenizer = data.load_tokenizer(src.root)
         out = []
         for p in prompts:
             text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -163,9 +166,9 @@ class LlmFamily:
             out.append(torch.tensor(tokenizer(text, add_special_tokens=False).input_ids))
         return out
 
-    def load_sampler(self, model_dir: Path, model: torch.nn.Module, cfg: Any, device: torch.device,
+    def load_sampler(self, src: "ModelSource", model: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Any:
-        return _Answerer(model, data.load_tokenizer(model_dir), device, EVAL_MAX_NEW_TOKENS)
+        return _Answerer(model, data.load_tokenizer(src.root), device, EVAL_MAX_NEW_TOKENS)
 
     def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
         """LoRA state keyed as ``get_peft_model_state_dict`` keys it (``model.layers.0...lora_A.weight``)."""

@@ -7,7 +7,7 @@ import hashlib
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,12 +16,15 @@ from ...errors import DataError, ImgloraError
 from ...hashing import sha256_file
 from .chat import IGNORE, Conversation, encode, length_report, read_jsonl
 
+if TYPE_CHECKING:
+    from ...source import ModelSource
+
 LENGTH_BUCKET = 64  # conversations are batched with others of similar length (less padding)
 
 
-def prepare(cfg: Any, model_dir: Path) -> tuple[PreparedData, int]:
+def prepare(cfg: Any, src: "ModelSource") -> tuple[PreparedData, int]:
     """Training and validation samples, and the tokenizer's padding id."""
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(src.root)
     padding = pad_id(tokenizer)
     train_convs, valid_convs, warnings = split_conversations(cfg)
     max_len = cfg.family.max_seq_len
@@ -74,12 +77,12 @@ def prepare(cfg: Any, model_dir: Path) -> tuple[PreparedData, int]:
     return PreparedData(train_samples, dataset_version(cfg), tuple(warnings), summary, valid_samples), padding
 
 
-def load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     if not getattr(tokenizer, "chat_template", None):
-        raise ImgloraError(f"the tokenizer in {model_dir} has no chat template; the llm family trains chat "
+        raise ImgloraError(f"the tokenizer in {folder} has no chat template; the llm family trains chat "
                            "models (use an -Instruct / -Chat model, or add a chat_template to tokenizer_config.json)")
     return tokenizer
 

@@ -65,18 +65,18 @@ def merge(family: Any, run_dir: str | Path, cfg: Any, out: str | Path, *, which:
     _check_out(out, run_dir, force)
     rec = record.RunRecord("merge", run_dir, cfg.to_dict())
     with rec.phase("resolve_model"):
-        model_dir = resolve_model(cfg.model.path, family)
+        src = resolve_model(cfg.model, family)
     torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     with rec.phase("load"):
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        base = AutoModelForCausalLM.from_pretrained(src.root, dtype=torch_dtype)
         model = PeftModel.from_pretrained(base, str(adapter))
     with rec.phase("merge"):
         merged = model.merge_and_unload()
     with rec.phase("save"), atomic.atomic_dir(out) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src.root).save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"run": str(run_dir), "adapter": str(adapter)}) + "\n")
-    rec.set(model_dir=str(model_dir), adapter=str(adapter), out=str(out), dtype=str(merged.dtype).removeprefix("torch."),
+    rec.set(model_dir=str(src.root), adapter=str(adapter), out=str(out), dtype=str(merged.dtype).removeprefix("torch."),
             merged_checksums=record.folder_checksums(out))
     rec.write()
     log(f"merged {adapter} into {cfg.model.path} ({str(merged.dtype).removeprefix('torch.')}): {out}")

@@ -23,6 +23,7 @@ class LlmTrainable:
 
     def __init__(self, model: Any):
         self.model = model
+        self.facts: dict[str, Any] = {}
 
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> torch.Tensor:
         # The (vocabulary-wide, so large) logits are computed only at the positions the loss reads:
@@ -34,7 +35,7 @@ class LlmTrainable:
         return torch.nn.functional.cross_entropy(logits.float(), batch["targets"])
 
 
-def base_model_name(path: str, model_dir: Path) -> str:
+def base_model_name(path: str, folder: Path) -> str:
     """What ``adapter_config.json`` names as the base: the hub id as the preset gives it, else the
     resolved local folder (``tiny:llm`` and relative paths mean nothing elsewhere)."""
     from ...models import looks_like_hub_id
@@ -42,7 +43,7 @@ def base_model_name(path: str, model_dir: Path) -> str:
     local = Path(path).expanduser()
     if not path.startswith("tiny:") and not local.exists() and looks_like_hub_id(path):
         return path
-    return str(Path(model_dir).resolve())
+    return str(Path(folder).resolve())
 
 
 def _enable_checkpointing(model: Any) -> None:

@@ -9,13 +9,16 @@ Everything about the family is in this folder: loading and the loss (``model``),
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .. import diffusers_image as common
-from . import comfyui, keys, model, tiny
+from . import comfyui, keys, model, singlefile, tiny
 from .config import SdxlConfig
+
+if TYPE_CHECKING:
+    from ...source import ModelSource
 
 
 class SdxlFamily:
@@ -38,7 +41,6 @@ class SdxlFamily:
     check_config = common.check_config
     vae_folders = common.vae_folders
     text_folders = common.text_folders
-    load_vae = common.load_vae
     prepare_data = common.prepare_data
     data_version = common.data_version
     collate = common.collate
@@ -50,23 +52,33 @@ class SdxlFamily:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     # -- cache ------------------------------------------------------------------------------
+    def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        if src.files:
+            return singlefile.load_part(src, "vae", dtype).to(device).eval()
+        return common.load_vae(self, src, device, dtype)
+
     @torch.no_grad()
     def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         # The distribution's mean, not a sample: the cache entry is then a pure function of its key.
         latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
         return {"latents": (latents[0] * vae.config.scaling_factor).float().cpu()}
 
-    def load_text_encoders(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-        return (
-            CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
-            CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer_2"),
-            CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype).to(device).eval(),
-            CLIPTextModelWithProjection.from_pretrained(model_dir, subfolder="text_encoder_2",
-                                                        torch_dtype=dtype).to(device).eval(),
-        )
+        tokenizers = (CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer"),
+                      CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer_2"))
+        if src.files:
+            encoders = tuple(singlefile.load_part(src, part, dtype) for part in ("text_encoder", "text_encoder_2"))
+        else:
+            encoders = (CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype),
+                        CLIPTextModelWithProjection.from_pretrained(src.root, subfolder="text_encoder_2",
+                                                                    torch_dtype=dtype))
+        return (*tokenizers, *(e.to(device).eval() for e in encoders))
 
     @torch.no_grad()
     def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
@@ -91,8 +103,8 @@ class SdxlFamily:
                 "CLIP-G": (len(tok2(caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(model_dir, cfg, dtype)
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(src, cfg, dtype)
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype) -> Any:
         return model.full_trainable(cfg, dtype)
@@ -101,10 +113,12 @@ class SdxlFamily:
         return model.synthetic_batch(trainable, resolution, cfg, device)
 
     # -- evaluation -------------------------------------------------------------------------
-    def load_sampler(self, model_dir: Path, denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+    def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Callable[..., Any]:
-        # Classifier-free guidance 7 unless eval.guidance_scale says otherwise.
-        return common.diffusers_sampler(self, model_dir, denoiser, cfg, device, dtype, default_guidance=7.0)
+        # Classifier-free guidance 7 unless eval.guidance_scale says otherwise; the sampler predicts
+        # what the UNet was trained to (a single file's v-prediction mark, [sdxl] prediction_type).
+        return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=7.0,
+                                        scheduler_overrides=model.scheduler_overrides(src, cfg))
 
     # -- export -----------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
@@ -114,5 +128,5 @@ class SdxlFamily:
         return keys.metadata(cfg, record)
 
     def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
-                      with_clip: bool) -> list[Any]:
-        return comfyui.nodes(lora_name, prompt, negative, seed, prefix)
+                      with_clip: bool, model: Any = None) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, model=model)

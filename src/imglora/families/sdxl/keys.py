@@ -38,10 +38,15 @@ def metadata(cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
             "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
             "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
             "ss_noise_offset": cfg.family.noise_offset, "ss_min_snr_gamma": cfg.family.min_snr_gamma,
-            "modelspec.prediction_type": _prediction_type(record.get("model_dir"))}
+            "modelspec.prediction_type": _prediction_type(record)}
 
 
-def _prediction_type(model_dir: str | None) -> str:
+def _prediction_type(record: dict[str, Any]) -> str:
+    """What the trained UNet predicted, as the train record says (older records: the scheduler config)."""
+    known = record.get("model_facts", {}).get("prediction_type")
+    if known:
+        return "v" if known == "v_prediction" else "epsilon"
+    model_dir = record.get("model_dir")
     if not model_dir:
         return "epsilon"
     try:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import ImgloraError
 from ...tiny import random_init
+from . import singlefile
+
+if TYPE_CHECKING:
+    from ...source import ModelSource
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json, for benchmarks before a download.
 FULL_UNET = dict(
@@ -21,16 +24,33 @@ FULL_UNET = dict(
 )
 
 
-def load_trainable(model_dir: Path, cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
+def load_trainable(src: "ModelSource", cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
-    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=dtype)
+    if src.files:
+        unet = singlefile.load_part(src, "unet", dtype)
+    else:
+        unet = UNet2DConditionModel.from_pretrained(src.root, subfolder="unet", torch_dtype=dtype)
     if cfg.memory.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     # The training-time view of the noise schedule; the pipeline's sampler config only contributes
     # the betas and the prediction type.
-    scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+    scheduler = DDPMScheduler.from_pretrained(src.root, subfolder="scheduler", **scheduler_overrides(src, cfg))
     return SdxlTrainable(unet, scheduler, cfg.family)
+
+
+def scheduler_overrides(src: "ModelSource", cfg: Any) -> dict[str, Any]:
+    """What the model says beyond its scheduler config: a single file's v-prediction and zero
+    terminal SNR marks (diffusers reads neither), then [sdxl] prediction_type if set."""
+    out: dict[str, Any] = {}
+    if src.files:
+        prediction, ztsnr = singlefile.file_prediction_type(src)
+        out["prediction_type"] = prediction
+        if ztsnr:
+            out["rescale_betas_zero_snr"] = True
+    if cfg.family.prediction_type != "auto":
+        out["prediction_type"] = cfg.family.prediction_type
+    return out
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
@@ -75,6 +95,8 @@ class SdxlTrainable:
         self.alphas_cumprod = scheduler.alphas_cumprod.to(torch.float32)
         self.noise_offset = settings.noise_offset
         self.min_snr_gamma = settings.min_snr_gamma
+        self.facts = {"prediction_type": self.prediction_type,
+                      "zero_terminal_snr": bool(getattr(scheduler.config, "rescale_betas_zero_snr", False))}
 
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
         latents = batch["latents"]

@@ -158,3 +158,54 @@ def zero_terminal_snr(path: PathLike) -> bool:
     the scheduler needs ``rescale_betas_zero_snr=True``)."""
     with open_file(path) as r:
         return "ztsnr" in r.key_set
+
+
+# --------------------------------------------------------------------------------------------
+# The family's single-file model source
+# --------------------------------------------------------------------------------------------
+
+SHIPPED = Path(__file__).parent / "configs" / "sdxl-base-1.0"
+CLIP_TOKENIZER = [("stabilityai/stable-diffusion-xl-base-1.0", "tokenizer"), ("openai/clip-vit-large-patch14", "")]
+
+
+def resolve_files(model: Any, find: Any) -> Any:
+    """An SGM checkpoint (``model.path``, in ComfyUI's checkpoints folder), optionally a separate VAE
+    (``model.vae``), and the folder of SDXL base's configs with CLIP's tokenizers."""
+    from ...source import ModelSource
+    from ..singlefile.configdir import assemble, find_tokenizer, override
+
+    path = find(model.path, ("checkpoints",), "model.path")
+    layout = expect(path, "sdxl-checkpoint")
+    files = {"checkpoint": path}
+    if model.vae:
+        files["vae"] = find(model.vae, ("vae",), "model.vae")
+        expect(files["vae"], "vae-sdxl", also=("sdxl-checkpoint",))
+    missing = [f"the {part}" for part in ("clip_l", "clip_g") if part not in layout.parts]
+    if "vae" not in layout.parts and "vae" not in files:
+        missing.append("a VAE (set model.vae, e.g. sdxl_vae.safetensors)")
+    if missing:
+        raise ModelSourceError(f"{path} has no {' and no '.join(missing)}; it holds {', '.join(layout.parts)}"
+                               f"{' (' + layout.note + ')' if layout.note else ''}. An SDXL checkpoint such as "
+                               "sd_xl_base_1.0.safetensors holds the UNet, both text encoders and the VAE.")
+    for key in ("text_encoder", "text_encoder_2"):
+        if getattr(model, key):
+            raise ModelSourceError(f"model.{key} = {getattr(model, key)!r}: an SDXL checkpoint holds both text "
+                                   "encoders; leave it empty")
+    if model.config:
+        return ModelSource(override(model.config), files)
+    clip, from_comfyui = find_tokenizer("clip", CLIP_TOKENIZER, model.comfyui, "SDXL")
+    # ComfyUI's copy says model_max_length 8192; SDXL's second tokenizer pads with "!" (as in diffusers').
+    patches = {"tokenizer": {"model_max_length": 77}, "tokenizer_2": {"model_max_length": 77, "pad_token": "!"}}
+    root = assemble("sdxl-base-1.0", SHIPPED, {"tokenizer": clip, "tokenizer_2": clip}, patches)
+    return ModelSource(root, files)
+
+
+def load_part(src: Any, part: str, dtype: torch.dtype) -> Any:
+    """One component ("unet", "vae", "text_encoder", "text_encoder_2") of a single-file source."""
+    return load_sdxl(src.files["checkpoint"], src.root, dtype=dtype, vae_path=src.files.get("vae"), parts=(part,))[part]
+
+
+def file_prediction_type(src: Any) -> tuple[str, bool]:
+    """(prediction type, zero terminal SNR) as the checkpoint says."""
+    path = src.files["checkpoint"]
+    return prediction_type(path), zero_terminal_snr(path)

@@ -164,6 +164,9 @@ _WANTED = {
 }
 
 
+FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux"}  # a base model file -> the family that trains it
+
+
 def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
     """``describe(path)``, raising a message that names the file unless its kind is one of
     ``kinds`` (or of ``also``: accepted, e.g. checkpoints holding the part, but not suggested)."""
@@ -174,4 +177,6 @@ def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
     if layout.kind == "lora":
         raise ModelSourceError(f"{layout.path} is a LoRA (adapter weights such as {layout.first_keys[0]}), not a "
                                f"base model; give {wanted} here. A LoRA is applied on top of its base model.")
-    raise ModelSourceError(f"{layout.path} is not {wanted}; it looks like {layout}")
+    family = FAMILY_OF.get(layout.kind)
+    hint = f"; to train it, set model.family = \"{family}\"" if family and family not in (FAMILY_OF.get(k) for k in kinds) else ""
+    raise ModelSourceError(f"{layout.path} is not {wanted}; it looks like {layout}{hint}")

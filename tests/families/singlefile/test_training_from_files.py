@@ -1,0 +1,200 @@
+"""Training from the single files users have gives exactly what training from the diffusers folder
+gives, with the files found by path or by bare name in a ComfyUI folder; a wrong file is one named
+error before anything loads; the record and the export name the files trained on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from layouts import make_comfyui_tree, write_bfl_flux, write_clip_l, write_flux_ae, write_sgm_sdxl, write_t5xxl
+from safetensors.torch import load_file
+
+from imglora import record
+from imglora.commands.common import load_config
+from imglora.commands.train import train
+from imglora.errors import ModelSourceError
+from imglora.families import registry
+from imglora.models import resolve_model
+from imglora.tiny import ensure_tiny
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def preset(name: str, tmp_path: Path, sample_dataset: Path, *extra: str):
+    return load_config(REPO / "presets" / f"tiny-{name}.toml", [
+        f"data.dir={json.dumps(str(sample_dataset))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
+        f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=4", "train.warmup_steps=0",
+        "train.log_every=1", "train.checkpoint_every=0", *extra])
+
+
+def trained(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+    result = train(cfg, out=lambda s: None)
+    losses = [json.loads(x)["loss"] for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
+    return losses, load_file(str(result.adapter))
+
+
+def assert_same_run(a, b) -> None:
+    assert a[0] == b[0]  # the same loss curve, bit for bit
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def q(p: Path) -> str:
+    return json.dumps(str(p))
+
+
+@pytest.fixture(scope="module")
+def flux_files(tmp_path_factory) -> dict[str, Path]:
+    tiny = ensure_tiny(registry.get("flux"))
+    d = tmp_path_factory.mktemp("flux-files")
+    return {"transformer": write_bfl_flux(tiny, d / "flux1-dev.safetensors"),
+            "clip_l": write_clip_l(tiny, d / "clip_l.safetensors"),
+            "t5": write_t5xxl(tiny, d / "t5xxl_fp32.safetensors", dtype=torch.float32),
+            "ae": write_flux_ae(tiny, d / "ae.safetensors")}
+
+
+def test_sdxl_from_one_checkpoint_trains_exactly_as_from_the_folder(tmp_path: Path, sample_dataset: Path) -> None:
+    tiny = ensure_tiny(registry.get("sdxl"))
+    ckpt = write_sgm_sdxl(tiny, tmp_path / "my_finetune.safetensors")
+    folder = trained(preset("sdxl", tmp_path, sample_dataset, "run.name=folder"))
+    cfg = preset("sdxl", tmp_path, sample_dataset, "run.name=file", f"model.path={q(ckpt)}", f"model.config={q(tiny)}")
+    assert_same_run(trained(cfg), folder)
+    rec = record.read_records(cfg.run_dir, "train")[-1]
+    assert rec["model_source"]["files"] == {"checkpoint": str(ckpt)}
+    assert list(rec["model_checksums"]) == ["checkpoint:my_finetune.safetensors"]
+    assert rec["model_checksums"]["checkpoint:my_finetune.safetensors"] == record.sha256_file(ckpt)
+    assert rec["model_facts"]["prediction_type"] == "epsilon"
+
+
+def test_a_v_prediction_checkpoint_trains_v_prediction(tmp_path: Path, sample_dataset: Path) -> None:
+    tiny = ensure_tiny(registry.get("sdxl"))
+    ckpt = write_sgm_sdxl(tiny, tmp_path / "vpred.safetensors", v_pred=True)
+    cfg = preset("sdxl", tmp_path, sample_dataset, "train.max_steps=1", f"model.path={q(ckpt)}",
+                 f"model.config={q(tiny)}")
+    family = registry.get("sdxl")
+    trainable = family.load_trainable(resolve_model(cfg.model, family), cfg, torch.device("cpu"), torch.float32)
+    assert trainable.prediction_type == "v_prediction"
+    over = preset("sdxl", tmp_path, sample_dataset, f"model.path={q(ckpt)}", f"model.config={q(tiny)}",
+                  'sdxl.prediction_type="epsilon"')
+    assert family.load_trainable(resolve_model(over.model, family), over, torch.device("cpu"),
+                                 torch.float32).prediction_type == "epsilon"
+
+
+def test_flux_from_its_four_files_trains_exactly_as_from_the_folder(tmp_path: Path, sample_dataset: Path,
+                                                                     flux_files) -> None:
+    # tiny-flux has the FP8 base and 4 swapped blocks on: blocks are quantized as they are read.
+    folder = trained(preset("flux", tmp_path, sample_dataset, "run.name=folder"))
+    f = flux_files
+    cfg = preset("flux", tmp_path, sample_dataset, "run.name=files", f"model.path={q(f['transformer'])}",
+                 f"model.text_encoder={q(f['clip_l'])}", f"model.text_encoder_2={q(f['t5'])}",
+                 f"model.vae={q(f['ae'])}", f"model.config={q(ensure_tiny(registry.get('flux')))}")
+    assert_same_run(trained(cfg), folder)
+    rec = record.read_records(cfg.run_dir, "train")[-1]
+    assert set(rec["model_source"]["files"]) == {"transformer", "text_encoder", "text_encoder_2", "vae"}
+    assert rec["memory"]["fp8"]["quantized_layers"] == \
+        record.read_records(tmp_path / "runs" / "folder", "train")[-1]["memory"]["fp8"]["quantized_layers"]
+
+
+def test_flux_named_by_bare_names_in_a_comfyui_folder(tmp_path: Path, sample_dataset: Path, flux_files) -> None:
+    shared = tmp_path / "shared"
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {
+        "models/unet/flux1-dev.safetensors": flux_files["transformer"],  # the legacy folder name
+        "models/clip/clip_l.safetensors": flux_files["clip_l"],
+        "models/vae/ae.safetensors": flux_files["ae"]})
+    (shared / "te").mkdir(parents=True)
+    (shared / "te" / "t5xxl_fp32.safetensors").write_bytes(flux_files["t5"].read_bytes())
+    (comfy / "extra_model_paths.yaml").write_text(f"mine:\n  base_path: {shared}\n  text_encoders: te\n")
+    cfg = preset("flux", tmp_path, sample_dataset, "train.max_steps=1", f"model.comfyui={q(comfy)}",
+                 'model.path="flux1-dev.safetensors"', 'model.text_encoder="clip_l.safetensors"',
+                 'model.text_encoder_2="t5xxl_fp32.safetensors"', 'model.vae="ae.safetensors"',
+                 f"model.config={q(ensure_tiny(registry.get('flux')))}")
+    src = resolve_model(cfg.model, registry.get("flux"))
+    assert src.files["transformer"] == comfy / "models" / "unet" / "flux1-dev.safetensors"
+    assert src.files["text_encoder_2"] == shared / "te" / "t5xxl_fp32.safetensors"
+    assert train(cfg, out=lambda s: None).adapter.is_file()
+    with pytest.raises(ModelSourceError, match=r"model.vae = 'missing.safetensors': .*not in ComfyUI's vae folders"):
+        resolve_model(cfg.replace(model={"vae": "missing.safetensors"}).model, registry.get("flux"))
+
+
+def test_wrong_files_are_named_before_anything_loads(tmp_path: Path, flux_files) -> None:
+    sdxl, flux = registry.get("sdxl"), registry.get("flux")
+    base = preset("flux", tmp_path, tmp_path)
+
+    def model(**kw):
+        return base.replace(model=kw).model
+
+    with pytest.raises(ModelSourceError, match=r'flux1-dev.safetensors is not an SDXL checkpoint .*; it looks like flux-transformer .*set model.family = "flux"'):
+        resolve_model(model(path=str(flux_files["transformer"])), sdxl)
+    with pytest.raises(ModelSourceError, match=r"ae.safetensors is not a FLUX.1 transformer .*; it looks like vae-flux"):
+        resolve_model(model(path=str(flux_files["ae"])), flux)
+    with pytest.raises(ModelSourceError, match=r"FLUX also needs its text encoders and VAE as files: set "
+                                               r"model.text_encoder \(e.g. clip_l.safetensors\), model.text_encoder_2"):
+        resolve_model(model(path=str(flux_files["transformer"])), flux)
+    with pytest.raises(ModelSourceError, match=r"clip_l.safetensors is not a T5-XXL text encoder"):
+        resolve_model(model(path=str(flux_files["transformer"]), text_encoder=str(flux_files["clip_l"]),
+                            text_encoder_2=str(flux_files["clip_l"]), vae=str(flux_files["ae"])), flux)
+    lora = tmp_path / "my_lora.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"lora_unet_x.lora_up.weight": torch.zeros(2, 2)}, str(lora))
+    with pytest.raises(ModelSourceError, match=r"my_lora.safetensors is a LoRA .* not a base model"):
+        resolve_model(model(path=str(lora)), flux)
+    pickle = tmp_path / "model.ckpt"
+    pickle.write_bytes(b"\x80\x02}q\x00.")
+    with pytest.raises(ModelSourceError, match=r"(?s)model.ckpt is a pickle file; imglora loads weights from "
+                                               r".safetensors files only.*torch.load"):
+        resolve_model(model(path=str(pickle)), flux)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(flux_files["transformer"].read_bytes()[:5000])
+    with pytest.raises(ModelSourceError, match=r"cut.safetensors is not a readable safetensors file .*5,000 bytes"):
+        resolve_model(model(path=str(cut)), flux)
+
+
+def test_configs_ship_and_tokenizers_come_from_comfyui_or_a_named_download(tmp_path: Path, flux_files,
+                                                                           monkeypatch) -> None:
+    from imglora.families.singlefile import configdir
+
+    monkeypatch.setattr(configdir, "hub_snapshot", lambda repo: None)  # an empty Hugging Face cache
+    monkeypatch.setenv("IMGLORA_HOME", str(tmp_path / "home"))
+    flux = registry.get("flux")
+    parts = dict(path=str(flux_files["transformer"]), text_encoder=str(flux_files["clip_l"]),
+                 text_encoder_2=str(flux_files["t5"]), vae=str(flux_files["ae"]))
+    base = preset("flux", tmp_path, tmp_path)
+    with pytest.raises(ModelSourceError, match=r"FLUX's CLIP-L's tokenizer is not on this machine.*`hf download "
+                                               r"black-forest-labs/FLUX.1-dev --include 'tokenizer/\*'`.*model.comfyui"):
+        resolve_model(base.replace(model=parts).model, flux)
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {})
+    src = resolve_model(base.replace(model={**parts, "comfyui": str(comfy)}).model, flux)
+    # The real FLUX.1-dev architecture (the file is "dev": it has guidance weights), ComfyUI's tokenizers.
+    t = json.loads((src.root / "transformer" / "config.json").read_text())
+    assert (t["num_layers"], t["num_single_layers"], t["guidance_embeds"]) == (19, 38, True)
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    clip = CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+    assert clip.model_max_length == 77  # ComfyUI's copy says 8192
+    assert T5TokenizerFast.from_pretrained(src.root, subfolder="tokenizer_2")("a red ball").input_ids[-1] == 1
+    assert resolve_model(base.replace(model={**parts, "comfyui": str(comfy)}).model, flux).root == src.root  # reused
+
+
+def test_the_export_names_the_checkpoint_and_its_workflow_loads_it(tmp_path: Path, sample_dataset: Path) -> None:
+    import hashlib
+
+    from imglora.commands.export import export
+
+    tiny = ensure_tiny(registry.get("sdxl"))
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {})
+    ckpt = write_sgm_sdxl(tiny, comfy / "models" / "checkpoints" / "ponyish_v6.safetensors")
+    cfg = preset("sdxl", tmp_path, sample_dataset, "train.max_steps=1", f"model.comfyui={q(comfy)}",
+                 'model.path="ponyish_v6.safetensors"', f"model.config={q(tiny)}")
+    train(cfg, out=lambda s: None)
+    res = export(cfg.run_dir, comfyui=comfy, name="toy")
+    meta = res.metadata
+    assert meta["ss_sd_model_name"] == "ponyish_v6.safetensors"
+    assert meta["ss_new_sd_model_hash"] == record.sha256_file(ckpt)
+    with open(ckpt, "rb") as fh:
+        fh.seek(0x100000)
+        assert meta["ss_sd_model_hash"] == hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
+    api = json.loads(res.workflow_api.read_text())
+    assert api["1"]["inputs"]["ckpt_name"] == "ponyish_v6.safetensors"  # the file trained on, by its ComfyUI name
