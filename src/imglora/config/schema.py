@@ -91,6 +91,10 @@ class CacheConfig:
         "auto", help="Precision of the VAE and text encoders while caching; auto = bf16 on CUDA, fp32 on CPU.")
     text_max_length: int = setting(0, help="Token length of cached text embeddings; 0 = the family's default.",
                                    min=0, max=4096)
+    quantized_base: bool = setting(
+        True, help="With memory.fp8 and a base model given as a file: keep the quantized model in dir/quantized "
+                   "(about 12 GB for a 12B transformer), so later runs skip reading and quantizing the full-precision weights.",
+        resume_safe=True)
 
 
 @dataclass(frozen=True)

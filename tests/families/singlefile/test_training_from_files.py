@@ -97,6 +97,54 @@ def test_flux_from_its_four_files_trains_exactly_as_from_the_folder(tmp_path: Pa
         record.read_records(tmp_path / "runs" / "folder", "train")[-1]["memory"]["fp8"]["quantized_layers"]
 
 
+def flux_from_files(tmp_path: Path, sample_dataset: Path, f: dict[str, Path], *extra: str):
+    return preset("flux", tmp_path, sample_dataset, f"model.path={q(f['transformer'])}",
+                  f"model.text_encoder={q(f['clip_l'])}", f"model.text_encoder_2={q(f['t5'])}",
+                  f"model.vae={q(f['ae'])}", f"model.config={q(ensure_tiny(registry.get('flux')))}", *extra)
+
+
+def test_the_quantized_transformer_is_cached_and_the_next_run_reads_it(tmp_path: Path, sample_dataset: Path,
+                                                                       flux_files, caplog) -> None:
+    first_cfg = flux_from_files(tmp_path, sample_dataset, flux_files, "run.name=first")
+    first = trained(first_cfg)
+    facts = record.read_records(first_cfg.run_dir, "train")[-1]["model_facts"]["quantized_cache"]
+    entry = Path(facts["entry"])
+    assert facts["hit"] is False and facts["bytes"] > 0 and entry.parent == tmp_path / "cache" / "quantized"
+    blocks = sorted(p.name for p in entry.glob("*transformer_blocks.*.safetensors"))
+    config = json.loads((ensure_tiny(registry.get("flux")) / "transformer" / "config.json").read_text())
+    assert len(blocks) == config["num_layers"] + config["num_single_layers"]  # one file per block
+    assert (entry / "rest.safetensors").is_file()
+    # Blocks were quantized as they were read (not later, as a whole): the entry holds them in fp8.
+    block = load_file(str(entry / blocks[0]))
+    fp8 = [k for k, v in block.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8 and all(k.endswith(".weight._data") for k in fp8)
+    assert not any(k.endswith("to_q.weight") for k in block)
+    assert not list(entry.parent.glob("*.partial-*"))
+
+    second_cfg = flux_from_files(tmp_path, sample_dataset, flux_files, "run.name=second")
+    assert_same_run(trained(second_cfg), first)  # read back bit for bit: the same run
+    rec = record.read_records(second_cfg.run_dir, "train")[-1]
+    assert rec["model_facts"]["quantized_cache"] == {"entry": str(entry), "hit": True}
+    assert rec["memory"]["fp8"]["quantized_layers"] == \
+        record.read_records(first_cfg.run_dir, "train")[-1]["memory"]["fp8"]["quantized_layers"]
+
+    # A damaged entry (a block file cut short) is said to be so, rebuilt, and the run is unchanged.
+    victim = entry / blocks[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        third_cfg = flux_from_files(tmp_path, sample_dataset, flux_files, "run.name=third")
+        assert_same_run(trained(third_cfg), first)
+    assert "damaged" in caplog.text and blocks[0] in caplog.text
+    assert record.read_records(third_cfg.run_dir, "train")[-1]["model_facts"]["quantized_cache"]["hit"] is False
+    assert victim.stat().st_size > 100
+
+    # The cache can be turned off; another weight dtype is another entry.
+    off = flux_from_files(tmp_path, sample_dataset, flux_files, "run.name=off", "cache.quantized_base=false")
+    trained(off)
+    assert "quantized_cache" not in record.read_records(off.run_dir, "train")[-1]["model_facts"]
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
 def test_flux_named_by_bare_names_in_a_comfyui_folder(tmp_path: Path, sample_dataset: Path, flux_files) -> None:
     shared = tmp_path / "shared"
     comfy = make_comfyui_tree(tmp_path / "ComfyUI", {

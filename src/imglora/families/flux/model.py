@@ -19,14 +19,17 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
                    quantize_exclude: tuple[str, ...]) -> "FluxTrainable":
     from diffusers import FluxTransformer2DModel
 
+    facts: dict[str, Any] = {}
     if src.files:  # streamed: each block quantized and placed as it is read (see singlefile)
         swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
-        transformer = singlefile.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
+        transformer, facts = singlefile.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
     else:  # on the CPU: fp8 quantization and block swapping decide what goes to the device
         transformer = FluxTransformer2DModel.from_pretrained(src.root, subfolder="transformer", torch_dtype=dtype)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    return FluxTrainable(transformer, cfg.family)
+    trainable = FluxTrainable(transformer, cfg.family)
+    trainable.facts.update(facts)
+    return trainable
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
