@@ -164,6 +164,28 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
                      timeout=timeout, out=stamped(click.echo))
 
 
+@main.command("plan", short_help="Predict peak GPU memory and host RAM per setting, term by term.")
+@click.argument("preset", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--blocks", help="Settings to plan, as bench-swap takes them (e.g. fp8:0,fp8:18,bf16:0); default: the "
+                               "preset's own, fp8 with 0/9/18/27 swapped blocks, and the model dtype unswapped.")
+@click.option("--resolution", type=click.IntRange(min=16), help="Square training resolution (default: the preset's).")
+@click.option("--vram", help="GPU memory to fit in, e.g. 24GB: names the fastest setting that fits.")
+@click.option("--host-ram", help="Host RAM to fit in, e.g. 32GB.")
+@click.option("--bench", "bench_file", type=click.Path(dir_okay=False),
+              help="A bench-swap result (bench.json): rank settings by their measured seconds per update.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="The machine the run is for: cuda (bf16 autocast) or cpu (fp32).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the plan as JSON here.")
+def plan_cmd(preset, overrides, blocks, resolution, vram, host_ram, bench_file, device, json_out):
+    """Predict, before anything is loaded, the peak GPU memory and host RAM of training PRESET for
+    each swap count and precision, term by term, from the architecture built on the meta device."""
+    from .commands import plan
+
+    plan.run(preset, overrides, blocks=blocks, resolution=resolution, vram=vram, host_ram=host_ram,
+             bench_file=bench_file, device=device, json_out=json_out, out=click.echo)
+
+
 class _Number(click.ParamType):
     """A finite number within bounds; NaN, infinity and out-of-range values exit 2 naming the option."""
 

@@ -10,6 +10,7 @@ else (no stubs raising ``NotImplementedError``):
   swap count maps onto them.
 * ``Benchable``: the full-size architecture with random weights and synthetic batches, for
   ``bench-swap --arch full`` before a download.
+* ``Plannable``: the architecture on the meta device, for ``imglora plan``'s memory prediction.
 * ``Exportable``: key forms and metadata of a ComfyUI-ready LoRA, and its ComfyUI workflow.
 * ``Mergeable``: folding an adapter into the full-precision base (``imglora merge``).
 * ``SingleFiles``: training from the single files users have (an SDXL checkpoint, a FLUX.1
@@ -102,6 +103,13 @@ class Benchable(Protocol):
     def full_trainable(self, cfg: "Config", dtype: torch.dtype) -> Trainable: ...
     def synthetic_batch(self, trainable: Trainable, resolution: int, cfg: "Config",
                         device: torch.device) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class Plannable(Protocol):
+    def meta_trainable(self, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype) -> Trainable: ...
+    # the model on the meta device, frozen, as load_trainable would build it (src None: the real
+    # model's shipped config, for planning before a download); with synthetic_batch (Benchable)
 
 
 @runtime_checkable

@@ -70,6 +70,8 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
                   out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> Session:
     """LoRA, memory features, optimizer and (with ``total`` updates) the learning-rate schedule."""
     lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out, blocks_to_swap)
+    if accelerator.mixed_precision in ("bf16", "fp16"):  # every forward of a session runs under autocast
+        lora.keep_input_dtype(trainable.model)
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
     optimizer = make_optimizer(cfg, params)

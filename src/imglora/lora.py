@@ -49,6 +49,24 @@ def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: i
     return config
 
 
+def keep_input_dtype(model: nn.Module) -> int:
+    """Under autocast: let each LoRA layer take its input in the dtype it arrives in.
+
+    peft casts a LoRA layer's input to the LoRA weights' dtype (fp32 here) before ``lora_A``; under
+    autocast ``lora_A`` casts it straight back to bf16, so the result is the same bit for bit, but
+    the cast copy is what autograd saves: every adapted layer keeps a second bf16 copy of its input
+    for backward (and the fp32 one exists for a moment). Returns the layers changed. Only for
+    autocast: without it, a bf16 input would meet fp32 weights."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.cast_input_dtype_enabled = False
+            n += 1
+    return n
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import atomic, checkpoint, devices, economics, loop, record, resume, runlog, telemetry
+from . import atomic, checkpoint, devices, economics, loop, plan, record, resume, runlog, telemetry
 from .data.batches import Batcher
 from .errors import ImgloraError
 from .memory.wrap import check_swap_counts
@@ -68,6 +68,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         raise ImgloraError("multi-GPU training (accelerate launch with more than one process) is not supported "
                            "yet: run one process per GPU with different runs, or a single process")
     device = accelerator.device
+    memory_plan = plan.check_at_start(cfg, family, src, device.type, out)  # refuses before loading when it cannot fit
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
     t_setup = time.perf_counter()
     telemetry.reset_peaks(device)
@@ -94,7 +95,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(src.root),
             model_source=src.to_record(), model_facts=trainable.facts,
             dataset_version=data.version, dataset_items=len(data.samples), trainable_parameters=n_params,
-            total_updates=total, resumed_from=start or None, memory=session.memory.facts)
+            total_updates=total, resumed_from=start or None, memory=session.memory.facts, memory_plan=memory_plan)
 
     # -- the loop ------------------------------------------------------------------------------
     accum = cfg.train.grad_accum

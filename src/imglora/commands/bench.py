@@ -53,7 +53,7 @@ def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
     return out
 
 
-def parse_size(text: str | None) -> int | None:
+def parse_size(text: str | None, option: str = "--vram-budget") -> int | None:
     if not text:
         return None
     units = {"tb": 2**40, "gb": 2**30, "gib": 2**30, "mb": 2**20, "mib": 2**20}
@@ -64,7 +64,7 @@ def parse_size(text: str | None) -> int | None:
                 return int(float(t[: -len(suffix)]) * mult)
             except ValueError:
                 break
-    raise ImgloraError(f"--vram-budget {text!r}: expected a size such as 24GB or 80GiB")
+    raise ImgloraError(f"{option} {text!r}: expected a size such as 24GB or 80GiB")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -165,6 +165,13 @@ class MemoryConfig:
     quantization: Literal["none", "qint4", "nf4"] = setting(
         "none", help="4-bit frozen base weights: qint4 (optimum-quanto) or nf4 (bitsandbytes, CUDA), where the "
                      "family supports it.")
+    swap_prefetch: int = setting(1, help="Swapped blocks copied ahead of the one running; each needs a device "
+                                         "buffer per block shape (slots = swap_prefetch + 1). Raise it when a "
+                                         "block's copy takes longer than its compute (bench-swap shows the stall).",
+                                 min=1, max=8, resume_safe=True)
+    vram_budget: float = setting(0.0, help="GiB of GPU memory this run may use; > 0: `imglora train` refuses a "
+                                           "setting `imglora plan` predicts not to fit, naming the smallest change "
+                                           "that fits. 0 = no check.", min=0.0, max=100_000.0, resume_safe=True)
 
 
 @dataclass(frozen=True)

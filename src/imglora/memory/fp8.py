@@ -161,17 +161,24 @@ def _in_lora(name: str) -> bool:
     return any(part in LORA_MODULE_NAMES for part in name.split("."))
 
 
-def _linear_targets(model: nn.Module, exclude: Sequence[str], prefix: str = "") -> tuple[list[str], list[str]]:
+def _linear_targets(model: nn.Module, exclude: Sequence[str], prefix: str = "",
+                    allow_meta: bool = False) -> tuple[list[str], list[str]]:
     quantize, kept = [], []
     for name, mod in model.named_modules():
         # Exactly nn.Linear: subclasses (e.g. MultiheadAttention's out_proj, read as a raw weight by
         # F.multi_head_attention_forward) may touch ``.weight`` as a dense tensor.
         if type(mod) is not nn.Linear or _in_lora(name) or mod.weight.requires_grad:
             continue
-        if mod.weight.is_meta:
+        if mod.weight.is_meta and not allow_meta:
             raise ValueError(f"cannot quantize {name!r}: its weight is on the meta device (load the model first)")
         (kept if _excluded(prefix + name, exclude) else quantize).append(name)
     return quantize, kept
+
+
+def would_quantize(model: nn.Module, exclude: Sequence[str] = ()) -> list[str]:
+    """Names of the Linear layers :func:`quantize_fp8` would quantize (the model may be on the meta
+    device: this only looks at the structure)."""
+    return _linear_targets(model, list(exclude), allow_meta=True)[0]
 
 
 def dense_bytes(module: nn.Module) -> int:

@@ -72,7 +72,7 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
         block_list = list(getattr(model, name))
         blocks += block_list
         mask += swap_mask(len(block_list), n)
-    setup.swapper = BlockSwapper(blocks, mask, device)
+    setup.swapper = BlockSwapper(blocks, mask, device, slots_per_shape=cfg.memory.swap_prefetch + 1)
     setup.swapper.install(root=model)  # also moves everything outside the block lists to the device
     stats = setup.swapper.stats
     setup.facts["swap"] = {"blocks_per_list": dict(zip(lists, counts)),

@@ -119,6 +119,9 @@ class FluxFamily:
     def full_trainable(self, cfg: Any, dtype: torch.dtype) -> Any:
         return model.full_trainable(cfg, dtype)
 
+    def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
+        return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
+
     def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
         return model.synthetic_batch(trainable, resolution, cfg, device)
 

@@ -4,6 +4,7 @@ position ids, target ``noise - latents``, the guidance embedding, timestep sampl
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -139,3 +140,19 @@ class FluxTrainable:
         elif self.settings.loss_weighting == "cosmap":
             per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
         return per_item.mean()
+
+
+def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
+    """The transformer of ``root`` (a model or config folder; None: FLUX.1-dev's shipped config) on
+    the meta device, frozen, with the preset's gradient checkpointing: for ``imglora plan``."""
+    from diffusers import FluxTransformer2DModel
+
+    from ...safefiles import diffusers_config
+
+    config = diffusers_config(FluxTransformer2DModel, root or singlefile.CONFIGS / "flux1-dev", "transformer")
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel.from_config(config).to(dtype)
+    transformer.requires_grad_(False)
+    if cfg.memory.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return FluxTrainable(transformer, cfg.family)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,3 +126,21 @@ class SdxlTrainable:
             # Min-SNR-γ (Hang et al. 2023): ε-prediction weight min(snr, γ)/snr; v-prediction min(snr, γ)/(snr+1).
             per_item = per_item * (clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1))
         return per_item.mean()
+
+
+def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
+    """The UNet of ``root`` (a model or config folder; None: SDXL base 1.0's shipped config) on the
+    meta device, frozen, with the preset's gradient checkpointing: for ``imglora plan``."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    from ...safefiles import diffusers_config
+
+    root = root or singlefile.SHIPPED
+    config = diffusers_config(UNet2DConditionModel, root, "unet")
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config).to(dtype)
+    unet.requires_grad_(False)
+    if cfg.memory.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    scheduler = DDPMScheduler.from_config(DDPMScheduler.load_config(str(root), subfolder="scheduler"))
+    return SdxlTrainable(unet, scheduler, cfg.family)

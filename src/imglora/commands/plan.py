@@ -1,0 +1,106 @@
+"""``imglora plan`` and the memory check at the start of ``imglora train``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import atomic, plan
+from ..errors import ImgloraError
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..source import ModelSource
+
+SWEEP = (0, 9, 18, 27)  # kohya-style swap counts tried by default (as bench-swap's default sweep)
+
+
+def source_or_shipped(cfg: "Config", family: Any) -> tuple["ModelSource | None", str | None]:
+    """The model's source if it is on this machine; otherwise None and a note (the plan then uses the
+    real model's config that imglora ships)."""
+    from ..models import resolve_model
+
+    try:
+        return resolve_model(cfg.model, family), None
+    except ImgloraError as exc:
+        return None, (f"{cfg.model.path} is not on this machine ({str(exc).splitlines()[0][:160]}); planned from "
+                      f"the architecture config imglora ships for the {family.name} family")
+
+
+def default_settings(cfg: "Config", family: Any, src: "ModelSource | None") -> list[plan.Setting]:
+    """The preset's own setting, then fp8 with the usual swap counts, then the model dtype unswapped."""
+    from ..family import Swappable, supports
+
+    own = plan.Setting("fp8" if cfg.memory.fp8 else "model", cfg.memory.blocks_to_swap)
+    out = [own]
+    swaps: tuple[int, ...] = (0,)
+    if supports(family, Swappable):
+        trainable_lengths = _block_lengths(family, src, cfg)
+        swaps = tuple(n for n in SWEEP if plan.valid_swap(family, trainable_lengths, cfg, n))
+    for s in [plan.Setting("fp8", n) for n in swaps] + [plan.Setting("model", 0)]:
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def _block_lengths(family: Any, src: "ModelSource | None", cfg: "Config") -> list[int]:
+    if src is not None:
+        return family.block_counts(src)
+    import torch
+
+    model = family.meta_trainable(None, cfg, torch.bfloat16).model
+    return [len(model.get_submodule(n)) for n in family.swappable_blocks]
+
+
+def parse_settings(text: str) -> list[plan.Setting]:
+    from .bench import parse_settings as parse
+
+    return [plan.Setting(s.precision, s.blocks) for s in parse(text, default_fp8=True)]
+
+
+def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resolution: int | None, vram: str | None,
+        host_ram: str | None, bench_file: str | None, device: str, json_out: str | None,
+        out: Callable[[str], None] = print) -> plan.Plan:
+    import psutil
+
+    from .bench import parse_size
+    from .common import family_of, load_config
+
+    cfg = load_config(preset, overrides)
+    family = family_of(cfg)
+    src, note = source_or_shipped(cfg, family)
+    settings = parse_settings(blocks) if blocks else default_settings(cfg, family, src)
+    bench = None
+    if bench_file:
+        try:
+            bench = json.loads(Path(bench_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise ImgloraError(f"--bench {bench_file}: cannot read it as a bench-swap result ({exc})") from None
+    vram_b, host_b = parse_size(vram, "--vram"), parse_size(host_ram, "--host-ram")
+    p = plan.predict(cfg, family, settings, device_kind=device, src=src, resolution=resolution, vram=vram_b,
+                     host_ram=host_b, bench=bench, process_rss=psutil.Process().memory_info().rss)
+    if note:
+        p.notes.append(note)
+    p.notes.append("allocated tensor bytes, predicted from the architecture on the meta device and one "
+                   "micro-batch's forward and backward run there (checked within 10 % of real CPU runs)")
+    if device == "cuda":
+        p.notes.append("a card needs the peak x 1.05 (allocator rounding) + about 0.5 GiB (CUDA context); "
+                       "host RAM counts this process as measured now, without CUDA's libraries")
+    b = cfg.train.batch_size
+    out(f"{family.name} at {p.resolution}x{p.resolution}, batch {b}, LoRA rank {cfg.lora.rank}, "
+        f"{cfg.train.optimizer}, gradient checkpointing {'on' if cfg.memory.gradient_checkpointing else 'off'}, "
+        f"for a {device.upper()} machine:")
+    out("")
+    out(plan.table(p, vram_b, host_b))
+    out("")
+    for n in p.notes:
+        out(f"note: {n}")
+    if vram_b or host_b:
+        budget = " and ".join(x for x in (vram and f"{vram} of GPU memory", host_ram and f"{host_ram} of host RAM") if x)
+        out(f"fastest setting that fits {budget}: {p.fastest_fit or 'none of these'}"
+            + (" (by measured s/update)" if bench else " (full precision before fp8, then fewer swapped blocks)"))
+    if json_out:
+        atomic.write_json(Path(json_out), p.to_dict())
+        out(f"written: {json_out}")
+    return p

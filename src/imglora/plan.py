@@ -1,0 +1,466 @@
+"""``imglora plan``: peak device memory and host RAM of a training run, predicted term by term
+before anything is loaded.
+
+Weights, LoRA, gradients and optimizer state are counted from the architecture built on the meta
+device (exact tensor sizes; fp8 layers as quanto stores them; swapped blocks and the swap slots as
+the swap engine lays them out). Activations are not estimated by a formula: the family's own loss,
+forward and backward run on the meta device with every tensor counted as it is created and freed
+(``memory.meta_run``, ``memory.meter``), so gradient checkpointing, attention, LoRA and the loss are
+the code that will run. The prediction is of *allocated tensor bytes*; the tests check it within
+10 % of the bytes a real step allocates on the CPU, and ``benchmarks/gpu_check.sh`` puts it next to
+the measured CUDA peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import lora
+from .errors import ImgloraError
+from .memory.fp8 import would_quantize
+from .memory.meta_run import Autocast
+from .memory.meter import LiveBytes, held_bytes
+from .memory.swap_storage import ALIGN
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .family import Family
+    from .source import ModelSource
+
+GiB = 2**30
+CUDA_CONTEXT = int(0.5 * GiB)  # CUDA context and kernels: outside the allocator, assumed for "fits"
+ALLOCATOR_MARGIN = 1.05  # reserved / allocated: the caching allocator's rounding and fragmentation
+
+
+@dataclass(frozen=True)
+class Setting:
+    precision: str  # "fp8" or a dtype name ("bf16", "fp16", "fp32"), or "model" (the preset's dtype)
+    blocks: int  # kohya-style blocks_to_swap
+
+    @property
+    def name(self) -> str:
+        return f"{self.precision}:{self.blocks}"
+
+
+@dataclass(frozen=True)
+class Term:
+    key: str
+    label: str
+    bytes: int
+    where: str  # "device" or "host"
+
+
+@dataclass
+class SettingPlan:
+    setting: Setting
+    terms: list[Term]
+    device_peak: int
+    host_peak: int
+    peak_phase: str  # "backward" or "optimizer step": where the device peak falls
+    measured_seconds: float | None = None  # from a bench.json, when given
+
+    def term(self, key: str) -> int:
+        return sum(t.bytes for t in self.terms if t.key == key)
+
+    def fits(self, vram: int | None, host_ram: int | None, device_kind: str) -> bool:
+        if vram is not None and device_kind == "cuda" and needed_vram(self.device_peak) > vram:
+            return False
+        return host_ram is None or self.host_peak <= host_ram
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"setting": self.setting.name, "precision": self.setting.precision,
+                "blocks_to_swap": self.setting.blocks, "device_peak_bytes": self.device_peak,
+                "host_peak_bytes": self.host_peak, "peak_phase": self.peak_phase,
+                "terms": {t.key: t.bytes for t in self.terms},
+                "term_labels": {t.key: t.label for t in self.terms},
+                "term_where": {t.key: t.where for t in self.terms},
+                "measured_seconds_per_update": self.measured_seconds}
+
+
+def needed_vram(device_peak: int) -> int:
+    """What a card must have for a run whose allocated peak is ``device_peak``."""
+    return int(device_peak * ALLOCATOR_MARGIN) + CUDA_CONTEXT
+
+
+@dataclass
+class Plan:
+    family: str
+    device_kind: str
+    resolution: int
+    tokens_note: str
+    settings: list[SettingPlan]
+    notes: list[str] = field(default_factory=list)
+    fastest_fit: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "device": self.device_kind, "resolution": self.resolution,
+                "settings": [s.to_dict() for s in self.settings], "fastest_fit": self.fastest_fit,
+                "notes": self.notes, "cuda_context_bytes": CUDA_CONTEXT, "allocator_margin": ALLOCATOR_MARGIN}
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations: one micro-batch's forward and backward on the meta device
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the meta run measured, and the model facts the weight terms need."""
+
+    saved: int  # live after the forward: what backward needs (checkpoint boundaries, the loss)
+    peak: int  # the run's peak (recompute + backward working set on top of ``saved``, grads so far)
+    grads: int  # LoRA gradients at the end of backward
+    batch: int  # the micro-batch's tensors
+    lora_params: list[tuple[str, int, tuple[int, ...]]]  # (name, numel, shape) of the trainable tensors
+    model: torch.nn.Module  # the meta model with LoRA (for the weight terms)
+    dtype: torch.dtype
+
+
+def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
+            autocast: torch.dtype | None, resolution: int) -> Profile:
+    trainable = family.meta_trainable(src, cfg, dtype)
+    model = trainable.model
+    lora.inject(model, family, cfg.lora, cfg.train.seed)
+    for p in lora.trainable_parameters(model):
+        p.data = p.data.float()  # as loop.adapt: LoRA trains in fp32
+    if autocast is not None:
+        lora.keep_input_dtype(model)  # as loop.build_session under autocast
+    model.train()
+    batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("meta"))
+    batch_bytes = held_bytes(list(batch.values()))
+    with Autocast(autocast) as ac, LiveBytes() as meter:
+        loss = trainable.loss(batch, torch.Generator().manual_seed(0))
+        ac.end_forward()
+        meter.mark("forward")
+        loss.backward()
+        del loss
+    params = [(n, p.numel(), tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    for p in model.parameters():
+        p.grad = None
+    return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
+                   lora_params=params, model=model, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: where each frozen tensor lives, in what layout
+
+
+def frozen_bytes(module: torch.nn.Module, quantized: set[str], prefix: str = "", pad: bool = False) -> int:
+    """Bytes of ``module``'s frozen parameters and buffers, fp8 layers as quanto stores them
+    (1-byte data + one scale per row + input/output scale scalars). ``pad``: each tensor rounded up
+    as the swap engine lays it out in a slot or host buffer."""
+    def size(n: int) -> int:
+        return -(-n // ALIGN) * ALIGN if pad else n
+
+    total = 0
+    for name, mod in module.named_modules():
+        full = prefix + name
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.requires_grad:
+                continue
+            eb = p.element_size()
+            if pname == "weight" and full in quantized:
+                total += size(p.numel()) + size(p.shape[0] * eb) + 2 * size(eb)
+            else:
+                total += size(p.numel() * eb)
+        for b in mod.buffers(recurse=False):
+            total += size(b.numel() * b.element_size())
+    return total
+
+
+def optimizer_bytes(cfg: "Config", params: list[tuple[str, int, tuple[int, ...]]], cuda: bool) -> tuple[int, int, str]:
+    """(state bytes, step temporaries, what was assumed) for the preset's optimizer over ``params``."""
+    n = sum(k for _, k, _ in params)
+    largest = max((k for _, k, _ in params), default=0)
+    name = cfg.train.optimizer
+    if name == "adamw":
+        # exp_avg + exp_avg_sq in fp32; on CUDA the foreach path makes one param-sized temporary
+        # (the sqrt of exp_avg_sq), on the CPU the per-tensor path one tensor at a time.
+        return 8 * n, (4 * n if cuda else 8 * largest), "AdamW: 2 fp32 states"
+    if name == "adamw8bit":
+        # bitsandbytes: 1-byte states with an fp32 absmax per 256 values for tensors of >= 4096
+        # values, fp32 states below that.
+        state = 0
+        for _, k, _ in params:
+            state += 2 * k + 2 * 4 * math.ceil(k / 256) if k >= 4096 else 8 * k
+        return state, 8 * largest, "AdamW 8-bit (bitsandbytes)"
+    if name == "adafactor":
+        # factored second moment (a row and a column vector) for matrices, no first moment.
+        state = sum(4 * (s[0] + math.prod(s[1:])) if len(s) >= 2 else 4 * k for _, k, s in params)
+        return state, 8 * largest, "Adafactor: factored second moment, no momentum"
+    return 8 * n, 4 * n, f"{name}: assumed like AdamW (2 fp32 states)"
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_kind: str,
+            src: "ModelSource | None", resolution: int | None = None, vram: int | None = None,
+            host_ram: int | None = None, bench: dict[str, Any] | None = None,
+            process_rss: int = 0, profiles: dict[Any, Profile] | None = None) -> Plan:
+    """The plan for each of ``settings`` on a ``device_kind`` ("cuda" or "cpu") machine."""
+    from . import devices
+    from .family import Swappable, supports
+
+    from .family import Benchable, Plannable
+
+    if not (supports(family, Plannable) and supports(family, Benchable)):
+        raise ImgloraError(f"imglora plan does not know the {family.name} family's architecture yet")
+    resolution = resolution or cfg.data.resolution
+    cuda = device_kind == "cuda"
+    mp = cfg.train.mixed_precision
+    autocast_on = cuda and mp != "no"
+    plans: list[SettingPlan] = []
+    profiles = {} if profiles is None else profiles  # meta runs, reusable across calls with the same key
+    notes: list[str] = []
+    for s in settings:
+        if s.precision in ("fp8", "model"):
+            dtype = devices.DTYPES[cfg.model.dtype] if cuda else torch.float32
+        else:
+            dtype = devices.DTYPES[s.precision]
+        autocast = (torch.float16 if mp == "fp16" else torch.bfloat16) if autocast_on else None
+        key = (dtype, autocast, resolution, repr(cfg.lora), cfg.train.batch_size, cfg.cache.text_max_length,
+               cfg.memory.gradient_checkpointing, repr(cfg.family))
+        if key not in profiles:
+            profiles[key] = profile(family, src, cfg, dtype, autocast, resolution)
+        prof = profiles[key]
+        model = prof.model
+        quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision == "fp8" else set()
+
+        lists = list(family.swappable_blocks) if supports(family, Swappable) else []
+        if s.blocks and not lists:
+            raise ImgloraError(f"the {family.name} family has no swappable blocks; use 0 blocks")
+        lengths = [len(model.get_submodule(n)) for n in lists]
+        counts = family.swap_counts(lengths, cfg, s.blocks) if lists else []
+        from .memory.swap import swap_mask
+
+        resident = swapped = 0
+        pools: dict[Any, list[int]] = {}
+        in_blocks = 0
+        for name, n, count in zip(lists, lengths, counts):
+            for i, (blk, sw) in enumerate(zip(model.get_submodule(name), swap_mask(n, count))):
+                prefix = f"{name}.{i}."
+                plain = frozen_bytes(blk, quantized, prefix)
+                in_blocks += plain
+                if sw:
+                    padded = frozen_bytes(blk, quantized, prefix, pad=True)
+                    swapped += padded
+                    sig = tuple((k, tuple(v.shape), v.dtype) for k, v in blk.state_dict().items())
+                    pools.setdefault(sig, []).append(padded)
+                else:
+                    resident += plain
+        slots_per_shape = max(1, cfg.memory.swap_prefetch) + 1
+        slots = sum(min(slots_per_shape, len(sizes)) * max(sizes) for sizes in pools.values())
+        non_block = frozen_bytes(model, quantized) - in_blocks
+        lora_bytes = 4 * sum(k for _, k, _ in prof.lora_params)
+        state, temps, opt_note = optimizer_bytes(cfg, prof.lora_params, cuda)
+        dequant = 0
+        if quantized:
+            dequant = max(model.get_submodule(n).weight.numel() for n in quantized) * \
+                (torch.finfo(prof.dtype).bits // 8)
+        act_extra = prof.peak - prof.saved
+        dev = "device" if cuda else "host"
+        terms = [
+            Term("weights_resident_blocks", f"blocks kept on the device ({'fp8' if quantized else _dt(prof.dtype)})",
+                 resident, dev),
+            Term("swap_slots", f"swap slots ({slots_per_shape} per block shape)", slots, dev),
+            Term("weights_non_block", "weights outside the blocks", non_block, dev),
+            Term("lora", "LoRA weights (fp32)", lora_bytes, dev),
+            Term("optimizer_state", opt_note, state, dev),
+            Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
+            Term("activations_saved", "activations kept for backward (checkpoint boundaries)", prof.saved, dev),
+            Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),
+            Term("fp8_dequant", "one weight dequantized for a matmul (fp8)", dequant, dev),
+        ]
+        if not cuda:
+            terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,
+                              "host"))
+        static = resident + slots + non_block + lora_bytes + state + prof.batch + (0 if cuda else swapped)
+        backward = static + prof.peak + dequant
+        step = static + prof.grads + temps
+        terms.append(Term("optimizer_step", "optimizer step: gradients + temporaries (if it is the peak)",
+                          max(0, step - backward), dev))
+        device_peak = max(backward, step)
+        phase = "backward" if backward >= step else "optimizer step"
+        if cuda:
+            load_block = max((frozen_bytes(b, set()) for n in lists for b in model.get_submodule(n)), default=0)
+            setup_note = ("the transformer streamed block by block (one block in its load dtype at a time)"
+                          if src is not None and src.files else
+                          "the model read whole in its load dtype before quantizing and placing it")
+            setup = load_block + swapped if src is not None and src.files else frozen_bytes(model, set())
+            terms += [Term("host_swapped", "swapped blocks in pinned host memory", swapped, "host"),
+                      Term("host_setup", f"set-up peak on top: {setup_note}", max(0, setup - swapped), "host"),
+                      Term("host_process", "this process (Python, torch, libraries; measured now)", process_rss,
+                           "host")]
+            host_peak = process_rss + max(setup, swapped)
+        else:
+            host_peak = device_peak + process_rss
+        plans.append(SettingPlan(s, terms, device_peak, host_peak, phase))
+    _bench_times(plans, bench)
+    plan = Plan(family.name, device_kind, resolution, "", plans, notes)
+    plan.fastest_fit = fastest_fit(plans, vram, host_ram, device_kind)
+    return plan
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def _bench_times(plans: list[SettingPlan], bench: dict[str, Any] | None) -> None:
+    if not bench:
+        return
+    for r in bench.get("results", []):
+        for p in plans:
+            if r.get("setting") == p.setting.name and r.get("status") == "ok":
+                p.measured_seconds = r["sec_per_update"]["median"]
+
+
+def speed_rank(p: SettingPlan) -> tuple:
+    """Faster first: measured seconds when known; otherwise full precision before fp8 (dequantizing
+    costs time), then fewer swapped blocks."""
+    if p.measured_seconds is not None:
+        return (0, p.measured_seconds)
+    return (1, p.setting.precision == "fp8", p.setting.blocks)
+
+
+def fastest_fit(plans: list[SettingPlan], vram: int | None, host_ram: int | None, device_kind: str) -> str | None:
+    fitting = [p for p in plans if p.fits(vram, host_ram, device_kind)]
+    if not fitting:
+        return None
+    return min(fitting, key=speed_rank).setting.name
+
+
+# ----------------------------------------------------------------------------------------------
+# Text
+
+
+def fmt(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def table(plan: Plan, vram: int | None = None, host_ram: int | None = None) -> str:
+    """Terms as rows, settings as columns (GiB)."""
+    names = [p.setting.name for p in plan.settings]
+    keys: list[tuple[str, str, str]] = []
+    for p in plan.settings:
+        for t in p.terms:
+            if (t.key, t.label, t.where) not in keys and not any(k[0] == t.key for k in keys):
+                keys.append((t.key, t.label, t.where))
+    where_label = "device" if plan.device_kind == "cuda" else "memory"
+    lines = [f"| {where_label} (GiB) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key, label, where in keys:
+        if where != "device" and plan.device_kind == "cuda":
+            continue
+        lines.append(f"| {label} | " + " | ".join(fmt(p.term(key)) for p in plan.settings) + " |")
+    lines.append("| **peak allocated** | " + " | ".join(f"**{fmt(p.device_peak)}**" for p in plan.settings) + " |")
+    if plan.device_kind == "cuda":
+        lines.append("| card needed (×1.05 allocator margin + 0.5 GiB CUDA context) | " +
+                     " | ".join(fmt(needed_vram(p.device_peak)) for p in plan.settings) + " |")
+        lines += ["", "| host RAM (GiB) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for key, label, where in keys:
+            if where == "host":
+                lines.append(f"| {label} | " + " | ".join(fmt(p.term(key)) for p in plan.settings) + " |")
+        lines.append("| **peak host RAM** | " + " | ".join(f"**{fmt(p.host_peak)}**" for p in plan.settings) + " |")
+    if any(p.measured_seconds is not None for p in plan.settings):
+        lines.append("| measured s/update (bench.json) | " + " | ".join(
+            f"{p.measured_seconds:.3f}" if p.measured_seconds is not None else "-" for p in plan.settings) + " |")
+    if vram or host_ram:
+        lines.append("| fits | " + " | ".join("yes" if p.fits(vram, host_ram, plan.device_kind) else "no"
+                                              for p in plan.settings) + " |")
+    return "\n".join(lines)
+
+
+def one_line(p: SettingPlan, device_kind: str) -> str:
+    """For ``imglora train``'s start: the preset's own setting, in a line."""
+    if device_kind != "cuda":
+        return f"memory plan: about {fmt(p.device_peak)} GiB of tensors at the peak ({p.peak_phase}) on the CPU"
+    w = p.term("weights_resident_blocks") + p.term("swap_slots") + p.term("weights_non_block")
+    a = p.term("activations_saved") + p.term("activations_working")
+    t = p.term("lora") + p.term("optimizer_state")
+    return (f"memory plan: peak allocated {fmt(p.device_peak)} GiB at the {p.peak_phase} (weights {fmt(w)}, "
+            f"activations {fmt(a)}, LoRA + optimizer {fmt(t)}); card needed {fmt(needed_vram(p.device_peak))} GiB; "
+            f"host RAM {fmt(p.host_peak)} GiB")
+
+
+def valid_swap(family: Any, lengths: list[int], cfg: "Config", n: int) -> bool:
+    try:
+        family.swap_counts(lengths, cfg, n)
+        return True
+    except ImgloraError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# imglora train: the prediction at the start, and the budget
+
+
+def check_at_start(cfg: "Config", family: Any, src: "ModelSource", device_kind: str,
+                   out: Callable[[str], None]) -> dict[str, Any] | None:
+    """Print the preset's predicted peak; with ``memory.vram_budget``, refuse a setting predicted not
+    to fit, naming the smallest change that does. Returns the prediction for the run record."""
+    from .family import Benchable, Plannable, supports
+
+    budget = cfg.memory.vram_budget
+    if not (supports(family, Plannable) and supports(family, Benchable)):
+        return None
+    if device_kind != "cuda" and not budget:
+        return None  # a CPU run: tensors are small and the plan would cost more than it tells
+    own = Setting("fp8" if cfg.memory.fp8 else "model", cfg.memory.blocks_to_swap)
+    profiles: dict[Any, Profile] = {}
+    p = predict(cfg, family, [own], device_kind="cuda", src=src, profiles=profiles).settings[0]
+    out(one_line(p, "cuda"))
+    facts = {"device_peak_bytes": p.device_peak, "host_peak_bytes": p.host_peak,
+             "terms": {t.key: t.bytes for t in p.terms}}
+    if budget and needed_vram(p.device_peak) > budget * GiB:
+        change = smallest_change(cfg, family, src, budget * GiB, profiles)
+        raise ImgloraError(
+            f"memory.vram_budget = {budget:g} GiB, but this setting is predicted to need "
+            f"{fmt(needed_vram(p.device_peak))} GiB (peak allocated {fmt(p.device_peak)} GiB + "
+            f"allocator margin + CUDA context; `imglora plan {cfg.source or 'PRESET'}` shows the terms). "
+            + (f"The smallest change that fits: {change}." if change else
+               "No single change tried (more swapped blocks, fp8, adamw8bit, a smaller rank or resolution) fits; "
+               "raise the budget or combine them."))
+    return facts
+
+
+def smallest_change(cfg: "Config", family: Any, src: "ModelSource", budget: int,
+                    profiles: dict[Any, Profile]) -> str | None:
+    """The first change, least intrusive first, whose prediction fits ``budget`` bytes of card."""
+    from .family import Swappable, supports
+
+    def fits(c: "Config", s: Setting) -> int | None:
+        peak = predict(c, family, [s], device_kind="cuda", src=src, profiles=profiles).settings[0].device_peak
+        return peak if needed_vram(peak) <= budget else None
+
+    precision = "fp8" if cfg.memory.fp8 else "model"
+    tries: list[tuple[str, "Config", Setting]] = []
+    if supports(family, Swappable):
+        lengths = family.block_counts(src)
+        for n in range(cfg.memory.blocks_to_swap + 1, 2 * sum(lengths) + 2):
+            if valid_swap(family, lengths, cfg, n):
+                tries.append((f"memory.blocks_to_swap = {n}", cfg.replace(memory={"blocks_to_swap": n}),
+                              Setting(precision, n)))
+    if not cfg.memory.fp8:
+        tries.append(("memory.fp8 = true", cfg.replace(memory={"fp8": True}),
+                      Setting("fp8", cfg.memory.blocks_to_swap)))
+    own = Setting(precision, cfg.memory.blocks_to_swap)
+    if cfg.train.optimizer == "adamw":
+        tries.append(('train.optimizer = "adamw8bit"', cfg.replace(train={"optimizer": "adamw8bit"}), own))
+    rank = cfg.lora.rank
+    while rank > 4:
+        rank //= 2
+        tries.append((f"lora.rank = {rank}", cfg.replace(lora={"rank": rank}), own))
+    res = cfg.data.resolution
+    for r in (768, 640, 512):
+        if r < res:
+            tries.append((f"data.resolution = {r}", cfg.replace(data={"resolution": r}), own))
+    for text, c, s in tries:
+        peak = fits(c, s)
+        if peak is not None:
+            return f"{text} (predicted peak allocated {fmt(peak)} GiB)"
+    return None
