@@ -73,3 +73,12 @@ def small_run(tmp_path: Path, sample_dataset: Path):
                 f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}"]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _work_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own folder: preset defaults such as cache.dir = ".imglora/cache" (where
+    a quantized base is kept) then land there, never in the repository. The tiny presets' relative
+    data.dir (sample_datasets/...) still resolves, through a link."""
+    (tmp_path / "sample_datasets").symlink_to(REPO / "sample_datasets", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)

@@ -113,6 +113,7 @@ class Profile:
     saved: int  # live after the forward: what backward needs (checkpoint boundaries, the loss)
     peak: int  # the run's peak (recompute + backward working set on top of ``saved``, grads so far)
     grads: int  # LoRA gradients at the end of backward
+    checkpoint_inputs: list[int]  # bytes of each checkpointed block's large inputs (what offloading moves)
     batch: int  # the micro-batch's tensors
     lora_params: list[tuple[str, int, tuple[int, ...]]]  # (name, numel, shape) of the trainable tensors
     model: torch.nn.Module  # the meta model with LoRA (for the weight terms)
@@ -142,7 +143,7 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
     for p in model.parameters():
         p.grad = None
     return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
-                   lora_params=params, model=model, dtype=dtype)
+                   lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,6 +265,12 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             dequant = max(model.get_submodule(n).weight.numel() for n in quantized) * \
                 (torch.finfo(prof.dtype).bits // 8)
         act_extra = prof.peak - prof.saved
+        offloaded = 0
+        if cuda and cfg.memory.offload_checkpoints and cfg.memory.gradient_checkpointing and prof.checkpoint_inputs:
+            # the boundaries go to pinned host memory; one block's come back for its recompute
+            offloaded = sum(prof.checkpoint_inputs)
+            act_extra += max(prof.checkpoint_inputs)
+        saved = prof.saved - offloaded
         dev = "device" if cuda else "host"
         terms = [
             Term("weights_resident_blocks", f"blocks kept on the device ({'fp8' if quantized else _dt(prof.dtype)})",
@@ -273,7 +280,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             Term("lora", "LoRA weights (fp32)", lora_bytes, dev),
             Term("optimizer_state", opt_note, state, dev),
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
-            Term("activations_saved", "activations kept for backward (checkpoint boundaries)", prof.saved, dev),
+            Term("activations_saved", "activations kept for backward (checkpoint boundaries)", saved, dev),
             Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),
             Term("fp8_dequant", "one weight dequantized for a matmul (fp8)", dequant, dev),
         ]
@@ -281,7 +288,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,
                               "host"))
         static = resident + slots + non_block + lora_bytes + state + prof.batch + (0 if cuda else swapped)
-        backward = static + prof.peak + dequant
+        backward = static + saved + act_extra + dequant
         step = static + prof.grads + temps
         terms.append(Term("optimizer_step", "optimizer step: gradients + temporaries (if it is the peak)",
                           max(0, step - backward), dev))
@@ -294,10 +301,11 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
                           "the model read whole in its load dtype before quantizing and placing it")
             setup = load_block + swapped if src is not None and src.files else frozen_bytes(model, set())
             terms += [Term("host_swapped", "swapped blocks in pinned host memory", swapped, "host"),
+                      Term("host_checkpoints", "checkpoint boundaries in pinned host memory", offloaded, "host"),
                       Term("host_setup", f"set-up peak on top: {setup_note}", max(0, setup - swapped), "host"),
                       Term("host_process", "this process (Python, torch, libraries; measured now)", process_rss,
                            "host")]
-            host_peak = process_rss + max(setup, swapped)
+            host_peak = process_rss + max(setup, swapped + offloaded)
         else:
             host_peak = device_peak + process_rss
         plans.append(SettingPlan(s, terms, device_peak, host_peak, phase))

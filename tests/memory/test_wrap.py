@@ -21,7 +21,9 @@ def flux_model(*overrides: str):
     family = registry.get("flux")
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", list(overrides))
     model_dir = resolve_model(cfg.model.path, family)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    # Loaded unswapped: a swap count the model cannot take is refused at load too (tested below).
+    trainable = family.load_trainable(model_dir, cfg.replace(memory={"blocks_to_swap": 0}), torch.device("cpu"),
+                                      torch.float32)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     return family, cfg, model_dir, trainable.model
 
@@ -48,3 +50,5 @@ def test_swap_settings_the_model_cannot_take_are_refused_from_its_config() -> No
     with pytest.raises(ImgloraError, match="memory.blocks_to_swap = 11: swapping 11 blocks means 5 double"):
         check_swap_counts(family, model_dir, cfg)
     check_swap_counts(family, model_dir, cfg, blocks_to_swap=4)  # an override that fits is fine
+    with pytest.raises(ImgloraError, match="memory.blocks_to_swap = 11"):  # and loading refuses before reading
+        family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)

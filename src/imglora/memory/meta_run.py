@@ -83,6 +83,7 @@ class Autocast(TorchFunctionMode):
         self.dtype = dtype
         self._cache: dict[int, torch.Tensor] = {}
         self._checkpoint: Any = None
+        self.checkpoint_inputs: list[int] = []  # per checkpointed call in forward: bytes of its large inputs
 
     def __enter__(self) -> "Autocast":
         import torch.utils.checkpoint as ckpt
@@ -91,6 +92,13 @@ class Autocast(TorchFunctionMode):
         mode = self
 
         def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+            if torch._C._len_torch_function_stack() > 0:  # a forward call: note what it keeps
+                from .offload import MIN_BYTES
+
+                mode.checkpoint_inputs.append(sum(
+                    a.numel() * a.element_size() for a in args
+                    if isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= MIN_BYTES))
+
             def run(*a: Any, **k: Any) -> Any:
                 if torch._C._len_torch_function_stack() == 0:  # a recompute, inside backward
                     with mode._reentered():
@@ -144,4 +152,5 @@ class Autocast(TorchFunctionMode):
                 kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}
             elif func in _FP32:
                 args = tuple(self._cast(a, torch.float32) for a in args)
+                kwargs = {k: self._cast(v, torch.float32) for k, v in kwargs.items()}
         return func(*args, **kwargs)

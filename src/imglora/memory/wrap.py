@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 @dataclass
 class MemorySetup:
     swapper: "BlockSwapper | None" = None
+    offload: Any = None  # offload.OffloadingCheckpoint, with memory.offload_checkpoints
     facts: dict[str, Any] = field(default_factory=dict)  # for the run record
 
     def before_forward(self) -> None:
@@ -52,6 +53,13 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
         out(report.summary())
         setup.facts["fp8"] = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after,
                               "quantized_layers": report.n_quantized, "kept_layers": list(report.kept)}
+    if m.offload_checkpoints and m.gradient_checkpointing:
+        from .offload import install
+
+        setup.offload = install(model)
+        if setup.offload is None:
+            out("memory.offload_checkpoints: this model takes no checkpoint function; boundaries stay on the device")
+        setup.facts["offload_checkpoints"] = setup.offload is not None
     if m.quantization != "none":
         from .quant4 import quantize_4bit
 

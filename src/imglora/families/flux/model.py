@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...tiny import random_init
-from . import singlefile, swap
+from . import singlefile, stream, swap
 
 if TYPE_CHECKING:
     from ...source import ModelSource
@@ -18,14 +18,10 @@ if TYPE_CHECKING:
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
                    quantize_exclude: tuple[str, ...]) -> "FluxTrainable":
-    from diffusers import FluxTransformer2DModel
 
-    facts: dict[str, Any] = {}
-    if src.files:  # streamed: each block quantized and placed as it is read (see singlefile)
-        swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
-        transformer, facts = singlefile.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
-    else:  # on the CPU: fp8 quantization and block swapping decide what goes to the device
-        transformer = FluxTransformer2DModel.from_pretrained(src.root, subfolder="transformer", torch_dtype=dtype)
+    # Streamed from a file or a folder alike: each block quantized and placed as it is read.
+    swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     trainable = FluxTrainable(transformer, cfg.family)

@@ -13,20 +13,16 @@ in-memory dict, hard-codes the FLUX.1 width (3072), and ignores fp8 scale keys.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from ... import record
 from ...errors import ModelSourceError
 from ...memory.host import release_free_memory
 from ...safefiles import PathLike, Reader, diffusers_config, open_file
 from ..singlefile.inspect import expect
-
-log = logging.getLogger(__name__)
 
 # A diffusers key's source: (BFL key without prefix, rows of it or None for all, op). op "copy";
 # or "swap": the two halves exchanged (BFL's final adaLN is [shift; scale], diffusers' [scale; shift]).
@@ -256,82 +252,3 @@ def load_text_encoders(src: Any, dtype: torch.dtype) -> tuple[Any, Any]:
 
     return (load_clip_l(src.files["text_encoder"], src.root, dtype),
             load_t5(src.files["text_encoder_2"], src.root, dtype))
-
-
-def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, swapped: set[tuple[str, int]],
-                     exclude: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
-    """The transformer streamed block by block, each block made ready as it is read: quantized to
-    fp8 with ``memory.fp8`` (on the GPU when there is one: far faster than on the host), then kept
-    on the device, or on the host when it will be swapped (``swapped``: (kind, index) pairs), so the
-    host never holds the whole model in ``dtype``.
-
-    With ``memory.fp8`` and ``cache.quantized_base`` the quantized model is also written, block by
-    block, to ``cache.dir/quantized/<key>/``; the next run with the same files and settings reads
-    that instead of the source and skips quantizing. Returns the model and facts for the run record."""
-    from ...memory import quantized_cache
-    from ...memory.fp8 import quantize_fp8, to_device
-
-    gpu = device.type == "cuda"
-
-    def place(kind: str, index: int, block: torch.nn.Module) -> None:
-        if gpu and (kind, index) not in swapped:
-            to_device(block, device)
-
-    if not cfg.memory.fp8:
-        return load_flux_transformer(src.files["transformer"], src.root, dtype=dtype, on_block=place), {}
-    facts: dict[str, Any] = {}
-    entry = None
-    if cfg.cache.quantized_base:
-        config = diffusers_config(_transformer_class(), src.root, "transformer")
-        settings = {"kind": "fp8", "dtype": str(dtype), "exclude": list(exclude),
-                    "config": {k: v for k, v in config.items() if not k.startswith("_")}}
-        sources = {"transformer": record.cached_sha256(src.files["transformer"])}
-        entry = Path(cfg.cache.dir).expanduser() / "quantized" / quantized_cache.key(sources, settings)
-        facts["quantized_cache"] = {"entry": str(entry)}
-        if (entry / "entry.json").is_file():
-            model = _meta_model(src.root)
-            parts = [(f"{name}.{i}.", block) for kind, name in _BLOCKS.items()
-                     for i, block in enumerate(getattr(model, name))]
-            kinds = {f"{name}.{i}.": (kind, i) for kind, name in _BLOCKS.items()
-                     for i in range(len(getattr(model, name)))}
-            try:
-                quantized_cache.load(entry, model, parts, dtype, lambda p, block: place(*kinds[p], block))
-                facts["quantized_cache"]["hit"] = True
-                log.info(f"fp8: read the quantized transformer from {entry} (no quantization this run)")
-                return model.eval(), facts
-            except quantized_cache.DamagedEntry as e:
-                log.warning(f"the quantized-model cache entry is damaged and is rebuilt: {e}")
-        writer = quantized_cache.Writer(entry, {**settings, "sources": sources})
-
-    def ready(kind: str, index: int, block: torch.nn.Module) -> None:
-        if gpu:
-            to_device(block, device)
-        quantize_fp8(block, exclude, prefix=f"{_BLOCKS[kind]}.{index}.")
-        if entry is not None:
-            writer.add(f"{_BLOCKS[kind]}.{index}.", block)
-        if gpu and (kind, index) in swapped:
-            to_device(block, "cpu")
-
-    try:
-        model = load_flux_transformer(src.files["transformer"], src.root, dtype=dtype, on_block=ready)
-        if entry is not None:
-            writer.finish(model)
-            facts["quantized_cache"].update(hit=False, bytes=writer.bytes)
-            log.info(f"fp8: quantized transformer kept in {entry} ({writer.bytes / 2**30:.2f} GiB) for the next run")
-    except BaseException:
-        if entry is not None:
-            writer.abandon()
-        raise
-    return model, facts
-
-
-def _transformer_class() -> Any:
-    from diffusers import FluxTransformer2DModel
-
-    return FluxTransformer2DModel
-
-
-def _meta_model(root: Path) -> Any:
-    config = diffusers_config(_transformer_class(), root, "transformer")
-    with torch.device("meta"):
-        return _transformer_class().from_config(config)
