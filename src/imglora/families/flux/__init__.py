@@ -116,8 +116,9 @@ class FluxFamily:
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
         return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype) -> Any:
-        return model.full_trainable(cfg, dtype)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
+                       blocks_to_swap: int | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
 
     def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
         return model.synthetic_batch(trainable, resolution, cfg, device)
