@@ -165,3 +165,14 @@ def test_cuda_full_flux_build_quantizes_on_the_device_and_keeps_swapped_blocks_o
     kept = torch.cuda.memory_allocated(device) - base
     largest = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.transformer_blocks)
     assert torch.cuda.max_memory_allocated(device) - base <= kept + 2 * largest
+
+
+def test_the_gpu_checks_bench_command_needs_no_data_or_model(small, on_cpu_too, tmp_path, monkeypatch) -> None:
+    """benchmarks/gpu_check.sh runs `bench-swap presets/flux.toml --arch full` where neither the
+    preset's dataset nor FLUX.1-dev exists: the worker must not look for them."""
+    monkeypatch.chdir(tmp_path)  # no datasets/my_subject, no .imglora/cache here
+    r = bench.run_setting({"preset": str(REPO / "presets" / "flux.toml"), "overrides": [], "precision": "fp8",
+                           "blocks": 2, "steps": 1, "warmup": 0, "resolution": 64, "arch": "full"})
+    assert r["status"] == "ok", r
+    assert r["full_build"]["left_on_host"] == 3 and r["swap"]["swapped_blocks"] == 3
+    assert not any(tmp_path.iterdir())  # and writes nothing
