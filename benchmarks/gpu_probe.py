@@ -37,6 +37,10 @@ from typing import Any, Callable
 
 MiB = 2**20
 GB = 1e9
+OVERLAP_MATMUL = 4096          # side of the square bf16 matmuls run against the copies
+OVERLAP_COPIES = 8             # pinned host->device copies of --size-mib each, on the side stream
+FP8_SHAPE = (4096, 3072, 3072)  # m, k, n: (m x k) @ (k x n), a FLUX projection at 1024 px
+MATMUL_ITERS = 50              # matmuls per timed repeat in (c)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,12 +181,12 @@ def _busy(torch: Any) -> None:
 def overlap(torch: Any, device: Any, nbytes: int, repeats: int) -> dict[str, Any]:
     side = torch.cuda.Stream(device=device)
     main = torch.cuda.current_stream(device)
-    n_copies = 8
+    n_copies, side_n = OVERLAP_COPIES, OVERLAP_MATMUL
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    c = torch.empty(4096, 4096, device=device, dtype=torch.bfloat16)
+    a = torch.randn(side_n, side_n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(side_n, side_n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(side_n, side_n, device=device, dtype=torch.bfloat16)
 
     def run(copies: bool, matmuls: int) -> float:
         torch.cuda.synchronize()
@@ -212,9 +216,9 @@ def overlap(torch: Any, device: Any, nbytes: int, repeats: int) -> dict[str, Any
     t_both = statistics.median(run(True, n_mm) for _ in range(repeats))
     ratio = (t_copy + t_compute - t_both) / min(t_copy, t_compute)
     return {"copy_seconds": t_copy, "compute_seconds": t_compute, "both_seconds": t_both, "overlap_ratio": ratio,
-            "copies": n_copies, "copy_bytes_each": nbytes, "matmuls": n_mm, "matmul_shape": [4096, 4096, 4096],
+            "copies": n_copies, "copy_bytes_each": nbytes, "matmuls": n_mm, "matmul_shape": [side_n] * 3,
             "copy_gbps_alone": n_copies * nbytes / t_copy / GB,
-            "matmul_tflops_alone": 2 * 4096**3 * n_mm / t_compute / 1e12,
+            "matmul_tflops_alone": 2 * side_n**3 * n_mm / t_compute / 1e12,
             "sleep_kernel": getattr(torch.cuda, "_sleep", None) is not None,
             "meaning": "1.0 = the shorter of copy and compute hidden entirely behind the other; 0 = serialized"}
 
@@ -222,7 +226,8 @@ def overlap(torch: Any, device: Any, nbytes: int, repeats: int) -> dict[str, Any
 # ------------------------------------------------------------------------------------------ (c)
 
 
-def _tflops(torch: Any, fn: Callable[[], Any], flops: float, repeats: int, iters: int = 50) -> float:
+def _tflops(torch: Any, fn: Callable[[], Any], flops: float, repeats: int) -> float:
+    iters = MATMUL_ITERS
     for _ in range(3):
         fn()
     times = []
@@ -239,7 +244,7 @@ def _tflops(torch: Any, fn: Callable[[], Any], flops: float, repeats: int, iters
 
 
 def fp8_matmul(torch: Any, device: Any, repeats: int) -> dict[str, Any]:
-    m, k, n = 4096, 3072, 3072
+    m, k, n = FP8_SHAPE
     flops = 2.0 * m * k * n
     cc = torch.cuda.get_device_capability(device)
     out: dict[str, Any] = {"shape": f"{m}x{k} @ {k}x{n}", "compute_capability": f"{cc[0]}.{cc[1]}",

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -79,6 +79,127 @@ def test_probe_summary_formats_figures_and_errors(probe_mod) -> None:
 
 def test_probe_guard_records_the_error_instead_of_raising(probe_mod) -> None:
     assert probe_mod._guard(lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
+
+
+class _FakeCuda:
+    """torch.cuda as the probe uses it, on the CPU: events read the host clock, streams do nothing."""
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = None
+
+        def record(self, stream=None) -> None:
+            import time
+
+            self.t = time.perf_counter()
+
+        def synchronize(self) -> None:
+            assert self.t is not None, "synchronize() on an event never recorded"
+
+        def elapsed_time(self, end) -> float:
+            assert self.t is not None and end.t is not None
+            return (end.t - self.t) * 1e3  # ms, as CUDA events
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_event(self, event) -> None:
+            assert isinstance(event, _FakeCuda.Event)
+
+    def __init__(self) -> None:
+        self.slept = 0
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device=None):
+        return _FakeCuda.Stream()
+
+    def stream(self, s):
+        import contextlib
+
+        assert isinstance(s, _FakeCuda.Stream)
+        return contextlib.nullcontext()
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def _sleep(self, cycles: int) -> None:
+        self.slept += 1
+
+    def get_device_properties(self, device):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="Fake GPU", total_memory=80 * GiB, multi_processor_count=132)
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        return (9, 0)
+
+    def device_count(self) -> int:
+        return 1
+
+
+def _fake_torch(tuple_result: bool) -> object:
+    """The real torch with CUDA mapped onto the CPU: tensors asked for on "cuda" or in pinned memory
+    are plain CPU tensors; ``_scaled_mm`` checks the arguments as CUDA's does (fp8 operands, the
+    second column-major, float32 scalar scales) and returns a tensor, or (out, amax) like torch < 2.4."""
+    import torch
+
+    def cpu(fn):
+        def wrapped(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            kwargs.pop("device", None)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and b.stride(0) == 1, "mat2 must be column-major fp8"
+        assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.numel() == 1
+        out = (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
+        return (out, torch.zeros(())) if tuple_result else out
+
+    class Fake:
+        cuda = _FakeCuda()
+        version = SimpleNamespace(cuda="12.8")
+        empty, randn, ones = (staticmethod(cpu(f)) for f in (torch.empty, torch.randn, torch.ones))
+        _scaled_mm = staticmethod(scaled_mm)
+
+        @staticmethod
+        def device(*args, **kwargs):
+            return torch.device("cpu")
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    return Fake()
+
+
+@pytest.mark.parametrize("tuple_result", [False, True], ids=["torch>=2.4", "torch<2.4"])
+def test_probe_cuda_code_runs_against_a_cpu_stand_in(probe_mod, monkeypatch, tuple_result) -> None:
+    """Every CUDA section of the probe, run with CUDA mapped onto the CPU and shrunk sizes: the
+    code's plumbing (calls, keys, arithmetic, the summary), not any figure."""
+    monkeypatch.setattr(probe_mod, "OVERLAP_MATMUL", 64)
+    monkeypatch.setattr(probe_mod, "OVERLAP_COPIES", 2)
+    monkeypatch.setattr(probe_mod, "FP8_SHAPE", (64, 32, 48))
+    monkeypatch.setattr(probe_mod, "MATMUL_ITERS", 2)
+    fake = _fake_torch(tuple_result)
+    r = probe_mod.probe(fake, 2**20, 2)
+    for section in ("environment", "bandwidth", "overlap", "fp8"):
+        assert "error" not in r[section], (section, r[section])
+    assert r["environment"]["gpu"] == "Fake GPU" and r["environment"]["compute_capability"] == "9.0"
+    assert set(r["bandwidth"]) >= {"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"}
+    assert all(r["bandwidth"][k]["gbps"] > 0 for k in ("h2d_pinned", "d2h_pageable"))
+    assert r["overlap"]["matmuls"] >= 10 and r["overlap"]["copy_seconds"] > 0 and fake.cuda.slept > 0
+    f = r["fp8"]
+    assert f["fp8_tensor_cores"] and f["scaled_mm"]["tflops"] > 0 and f["scaled_mm_fast_accum"]["tflops"] > 0
+    assert f["scaled_mm"]["max_rel_error_vs_bf16_of_fp8_inputs"] < 0.02 and f["speedup_vs_bf16"] > 0
+    text = probe_mod.summary(r)
+    assert "Fake GPU" in text and "torch._scaled_mm fp8" in text
+    json.dumps(r)  # the JSON the check writes
 
 
 # ------------------------------------------------------------------------------------ summary
