@@ -100,7 +100,12 @@ class Swappable(Protocol):
 
 @runtime_checkable
 class Benchable(Protocol):
-    def full_trainable(self, cfg: "Config", dtype: torch.dtype) -> Trainable: ...
+    def full_trainable(self, cfg: "Config", dtype: torch.dtype, device: torch.device | None = None,
+                       blocks_to_swap: int | None = None) -> Trainable: ...
+    # The full-size model with random weights, frozen. On CUDA (``device``) a family may make it
+    # there part by part (quantized with memory.fp8, the blocks that ``blocks_to_swap`` swaps, as
+    # in memory.wrap.apply_memory, moved to the host) so it never exists whole on the host; without
+    # ``device`` or on the CPU it is made on the host. Either way apply_memory finishes the placing.
     def synthetic_batch(self, trainable: Trainable, resolution: int, cfg: "Config",
                         device: torch.device) -> dict[str, torch.Tensor]: ...
 

@@ -102,6 +102,16 @@ def save_model(model: Any, folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
+def _fill(name: str, p: Any, generator: Any = None) -> None:
+    """The random-weight rule of the benchmark models: norms at one, biases at zero, the rest N(0, 0.02)."""
+    if "norm" in name and name.endswith("weight"):
+        p.fill_(1.0)
+    elif name.endswith("bias"):
+        p.zero_()
+    else:
+        p.normal_(0.0, 0.02, generator=generator)
+
+
 def random_init(model: Any, dtype: Any) -> Any:
     """Materialise a model built on the meta device with small random weights (norms at one): the
     full-size architectures that benchmarks run before any weights are downloaded."""
@@ -110,10 +120,41 @@ def random_init(model: Any, dtype: Any) -> Any:
     model = model.to_empty(device="cpu").to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
+            _fill(name, p)
+    return model
+
+
+def random_init_parts(model: Any, dtype: Any, device: Any, parts: "list[str]",
+                      on_part: "Callable[[str, Any], None] | None" = None, seed: int = 0) -> Any:
+    """Materialise a meta-device model on ``device`` piece by piece, frozen, in ``dtype``.
+
+    First everything outside ``parts`` (module names such as ``"transformer_blocks.3"``), then each
+    part in order, handed to ``on_part(name, module)`` as soon as it is filled (to quantize it, or
+    move it to the host when it will be swapped) before the next one is made: ``device`` then holds
+    what ``on_part`` leaves there plus one part, never the whole model in ``dtype``. The values
+    follow :func:`random_init`'s rule, drawn from one generator on ``device`` seeded with ``seed``,
+    so a build is deterministic on a given kind of device (its values differ from random_init's).
+    Parameters are made directly in ``dtype`` (random_init goes through float32 on the host).
+    Base weights come out frozen (``requires_grad`` False), which quantization needs.
+    """
+    import torch
+
+    model.requires_grad_(False)
+    model.to(dtype)  # on the meta device: only the recorded dtype changes
+    modules = {name: model.get_submodule(name) for name in parts}
+    inside = {id(m) for part in modules.values() for m in part.modules()}
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if id(mod) in inside:
+                continue
+            mod.to_empty(device=device, recurse=False)
+            for pname, p in mod.named_parameters(recurse=False):
+                _fill(f"{name}.{pname}" if name else pname, p, generator)
+        for name, part in modules.items():
+            part.to_empty(device=device)
+            for pname, p in part.named_parameters():
+                _fill(f"{name}.{pname}", p, generator)
+            if on_part is not None:
+                on_part(name, part)
     return model

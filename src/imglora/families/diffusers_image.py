@@ -185,3 +185,46 @@ def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, c
 
     sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
     return sample
+
+
+# Device types on which full-size benchmark models are made part by part on the device itself
+# (tests add "cpu" to run that path without a GPU).
+BUILD_ON_DEVICE = {"cuda"}
+
+
+def builds_on_device(device: torch.device | None) -> bool:
+    """Whether ``full_trainable`` makes the model on ``device`` part by part (CUDA) rather than whole
+    on the host."""
+    return device is not None and device.type in BUILD_ON_DEVICE
+
+
+def random_on_device(family: Any, model: torch.nn.Module, cfg: "Config", dtype: torch.dtype, device: torch.device,
+                     parts: list[str], blocks_to_swap: int | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A full-size architecture built on the meta device, given random weights on ``device`` part by
+    part (``parts``: module names, the blocks), each part made ready as it is made, as a streamed
+    single-file load does: quantized to fp8 there with ``memory.fp8`` (the family's
+    ``quantize_exclude``, matched on full module names), then moved to the host if block swapping
+    will keep it there (the blocks :func:`imglora.memory.wrap.swapped_modules` names for
+    ``blocks_to_swap``). The device never holds the whole model in ``dtype``, and the host never
+    builds it (a 12B FLUX.1 on the CPU takes minutes). What is left outside the parts (embedders,
+    final layers) stays on ``device`` for :func:`imglora.memory.wrap.apply_memory` to finish.
+    Returns the model and what was done, for the benchmark's record."""
+    from ..memory.fp8 import quantize_fp8, to_device
+    from ..memory.wrap import swapped_modules
+    from ..tiny import random_init_parts
+
+    swapped = swapped_modules(model, family, cfg, blocks_to_swap)
+    unknown = swapped - set(parts)
+    if unknown:  # a family's parts must cover its swappable blocks, or they would stay on the device
+        raise RuntimeError(f"swapped blocks outside the parts built: {sorted(unknown)[:4]}")
+    fp8 = bool(cfg.memory.fp8)
+
+    def ready(name: str, part: torch.nn.Module) -> None:
+        if fp8:
+            quantize_fp8(part, family.quantize_exclude, prefix=f"{name}.")
+        if name in swapped:
+            to_device(part, "cpu")
+
+    model = random_init_parts(model, dtype, device, parts, ready)
+    return model, {"built_on": str(device), "parts": len(parts), "quantized_as_built": fp8,
+                   "left_on_host": len(swapped)}

@@ -39,6 +39,27 @@ def check_swap_counts(family: Any, src: "ModelSource", cfg: Any, blocks_to_swap:
         family.swap_counts(family.block_counts(src), cfg, blocks_to_swap)
 
 
+def swap_plan(model: nn.Module, family: Any, cfg: Any, blocks_to_swap: int | None = None) -> list[tuple[str, list[bool]]]:
+    """``(block list attribute, one bool per block: swapped)`` for each of the family's swappable
+    block lists, as :func:`apply_memory` will swap them (``blocks_to_swap`` as there); ``[]`` for a
+    family without swappable blocks. Works on a model still on the meta device."""
+    from .swap import swap_mask
+
+    lists = list(family.swappable_blocks) if supports(family, Swappable) else []
+    if not lists:
+        return []
+    lengths = [len(getattr(model, n)) for n in lists]
+    counts = family.swap_counts(lengths, cfg, blocks_to_swap)
+    return [(name, swap_mask(length, n)) for name, length, n in zip(lists, lengths, counts)]
+
+
+def swapped_modules(model: nn.Module, family: Any, cfg: Any, blocks_to_swap: int | None = None) -> set[str]:
+    """Module names (``"single_transformer_blocks.37"``) of the blocks :func:`apply_memory` will swap:
+    a model built piece by piece leaves exactly these on the host."""
+    return {f"{name}.{i}" for name, mask in swap_plan(model, family, cfg, blocks_to_swap)
+            for i, swapped in enumerate(mask) if swapped}
+
+
 def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
                  out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> MemorySetup:
     """FP8 or 4-bit base weights and block swapping as ``cfg.memory`` asks (``blocks_to_swap``, when
@@ -67,19 +88,18 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
         out(q4.summary())
         setup.facts[m.quantization] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
                                        "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
-    lists = list(family.swappable_blocks) if supports(family, Swappable) else []
-    counts = family.swap_counts([len(getattr(model, n)) for n in lists], cfg, blocks_to_swap) if lists else []
+    plan = swap_plan(model, family, cfg, blocks_to_swap)
+    lists, counts = [name for name, _ in plan], [sum(block_mask) for _, block_mask in plan]
     if not any(counts):
         to_device(model, device)
         return setup
 
-    from .swap import BlockSwapper, swap_mask
+    from .swap import BlockSwapper
 
     blocks, mask = [], []
-    for name, n in zip(lists, counts):
-        block_list = list(getattr(model, name))
-        blocks += block_list
-        mask += swap_mask(len(block_list), n)
+    for name, block_mask in plan:
+        blocks += list(getattr(model, name))
+        mask += block_mask
     setup.swapper = BlockSwapper(blocks, mask, device, slots_per_shape=cfg.memory.swap_prefetch + 1)
     setup.swapper.install(root=model)  # also moves everything outside the block lists to the device
     stats = setup.swapper.stats

@@ -54,18 +54,35 @@ def scheduler_overrides(src: "ModelSource", cfg: Any) -> dict[str, Any]:
     return out
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
-    """The real SDXL UNet architecture with random weights (no download), for benchmarks."""
+def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
+                   blocks_to_swap: int | None = None) -> "SdxlTrainable":
+    """The real SDXL UNet architecture with random weights (no download), for benchmarks.
+
+    On CUDA the weights are made on the GPU one UNet stage at a time (each down block, the mid
+    block, each up block), each quantized there with ``memory.fp8``
+    (``diffusers_image.random_on_device``; SDXL has no swappable blocks, so ``blocks_to_swap`` can
+    only be 0). Elsewhere the whole UNet is made on the host, as before."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    from ..diffusers_image import builds_on_device, random_on_device
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**FULL_UNET)
-    unet = random_init(unet, dtype)
+    facts: dict[str, Any] = {}
+    if builds_on_device(device):
+        parts = ([f"down_blocks.{i}" for i in range(len(unet.down_blocks))] + ["mid_block"]
+                 + [f"up_blocks.{i}" for i in range(len(unet.up_blocks))])
+        unet, facts = random_on_device(family, unet, cfg, dtype, device, parts, blocks_to_swap)
+    else:
+        unet = random_init(unet, dtype)
     if cfg.memory.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                               num_train_timesteps=1000)
-    return SdxlTrainable(unet, scheduler, cfg.family)
+    trainable = SdxlTrainable(unet, scheduler, cfg.family)
+    if facts:
+        trainable.facts["full_build"] = facts
+    return trainable
 
 
 def synthetic_batch(trainable: "SdxlTrainable", resolution: int, cfg: Any,

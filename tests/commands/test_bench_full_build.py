@@ -1,0 +1,178 @@
+"""``bench-swap --arch full`` on a GPU: the random full-size model is made on the device block by
+block, quantized there with memory.fp8, and the blocks that will be swapped are sent to the host at
+once. The same code runs here on the CPU (``BUILD_ON_DEVICE`` widened to "cpu", shrunk
+architectures); the ``gpu`` test runs it on CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from imglora.commands import bench
+from imglora.commands.common import load_config
+from imglora.families import get_family
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_FLUX = str(REPO / "presets" / "tiny-flux.toml")
+TINY_SDXL = str(REPO / "presets" / "tiny-sdxl.toml")
+
+SMALL_FLUX = {"guidance_embeds": True, "num_layers": 2, "num_single_layers": 4, "attention_head_dim": 16,
+              "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+              "axes_dims_rope": (4, 6, 6)}
+
+
+@pytest.fixture()
+def small(monkeypatch):
+    """Shrunk FLUX and SDXL architectures for ``full_trainable``."""
+    from imglora.families import flux, sdxl
+
+    monkeypatch.setattr(flux.model, "FULL_TRANSFORMER", SMALL_FLUX)
+    monkeypatch.setattr(sdxl.model, "FULL_UNET", {
+        **sdxl.model.FULL_UNET, "block_out_channels": (32, 64, 64), "attention_head_dim": (2, 4, 4),
+        "transformer_layers_per_block": (1, 1, 1), "cross_attention_dim": 64, "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 6 * 8 + 32, "norm_num_groups": 8})
+
+
+@pytest.fixture()
+def on_cpu_too(monkeypatch):
+    from imglora.families import diffusers_image
+
+    monkeypatch.setattr(diffusers_image, "BUILD_ON_DEVICE", {"cuda", "cpu"})
+
+
+@pytest.fixture()
+def moves(monkeypatch):
+    """Records every ``to_device(module, device)`` call of the part-by-part build."""
+    from imglora.memory import fp8
+
+    calls: list[tuple[nn.Module, str]] = []
+    real = fp8.to_device
+
+    def record(module, device, **kw):
+        calls.append((module, str(device)))
+        return real(module, device, **kw)
+
+    monkeypatch.setattr(fp8, "to_device", record)
+    return calls
+
+
+def _qlinear():
+    from optimum.quanto.nn import QLinear
+
+    return QLinear
+
+
+def _flux(device: torch.device, blocks: int, fp8: bool = True):
+    cfg = load_config(TINY_FLUX, [f"memory.fp8={'true' if fp8 else 'false'}"])
+    family = get_family("flux")
+    return family.full_trainable(cfg, torch.float32, device, blocks)
+
+
+def test_flux_parts_are_quantized_as_made_and_swapped_blocks_go_to_the_host(small, on_cpu_too, moves) -> None:
+    trainable = _flux(torch.device("cpu"), blocks=2)  # kohya's 2 = 1 of 2 double + 2 of 4 single
+    model = trainable.model
+    names = {id(m): n for n, m in model.named_modules()}
+    assert sorted(names[id(m)] for m, d in moves if d == "cpu") == [
+        "single_transformer_blocks.2", "single_transformer_blocks.3", "transformer_blocks.1"]
+    assert trainable.facts["full_build"] == {"built_on": "cpu", "parts": 6, "quantized_as_built": True,
+                                             "left_on_host": 3}
+    QLinear = _qlinear()
+    for name in ("transformer_blocks", "single_transformer_blocks"):
+        for block in getattr(model, name):
+            linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+            assert linears and all(isinstance(m, QLinear) for m in linears)
+    # Outside the blocks nothing is quantized yet: apply_memory does it with the exclusions.
+    assert type(model.x_embedder) is nn.Linear and type(model.proj_out) is nn.Linear
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert model.transformer_blocks[0].norm1.linear.bias.abs().sum() == 0  # random_init's rule: biases at 0
+
+
+def test_the_part_by_part_build_is_deterministic(small, on_cpu_too) -> None:
+    a, b = (_flux(torch.device("cpu"), blocks=0).model.state_dict() for _ in range(2))
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        if hasattr(x, "_data"):  # a quanto weight: its fp8 bytes and scales
+            assert torch.equal(x._data.view(torch.uint8), y._data.view(torch.uint8)) and torch.equal(x._scale, y._scale), k
+        else:
+            assert torch.equal(x, y), k
+
+
+def test_without_fp8_the_blocks_stay_in_the_model_dtype(small, on_cpu_too, moves) -> None:
+    model = _flux(torch.device("cpu"), blocks=4, fp8=False).model  # 4 = 2 double + 4 single: all blocks
+    QLinear = _qlinear()
+    assert not any(isinstance(m, QLinear) for m in model.modules())
+    assert len([1 for _, d in moves if d == "cpu"]) == 6
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_more_blocks_than_the_model_has_fail_before_anything_is_made(small, on_cpu_too) -> None:
+    from imglora.errors import ImgloraError
+
+    with pytest.raises(ImgloraError, match="largest valid number"):
+        _flux(torch.device("cpu"), blocks=40)
+
+
+@pytest.mark.parametrize("family", ["flux", "sdxl"])
+def test_bench_worker_runs_the_part_by_part_build(family: str, small, on_cpu_too) -> None:
+    preset = TINY_FLUX if family == "flux" else TINY_SDXL
+    blocks = 4 if family == "flux" else 0
+    r = bench.run_setting({"preset": preset, "overrides": ["cache.text_max_length=16"], "precision": "fp8",
+                           "blocks": blocks, "steps": 1, "warmup": 1, "resolution": 64, "arch": "full"})
+    assert r["status"] == "ok", r
+    assert r["full_build"]["quantized_as_built"] and r["full_build"]["built_on"] == "cpu"
+    # apply_memory counts the layers quantized while the model was made, and quantizes no more
+    # outside the blocks than the exclusions allow.
+    assert r["fp8"]["quantized_layers"] > 0
+    if family == "flux":
+        assert r["full_build"]["left_on_host"] == 6 and r["swap"]["swapped_blocks"] == 6
+        assert r["h2d_bytes_per_update"] > 0
+    else:
+        assert r["full_build"]["parts"] == 7  # 3 down blocks, the mid block, 3 up blocks
+        assert any(k.startswith("time_embedding.") for k in r["fp8"]["kept_layers"])  # the exclusions held
+
+
+@pytest.mark.gpu
+def test_cuda_full_flux_build_quantizes_on_the_device_and_keeps_swapped_blocks_on_the_host(small) -> None:
+    """On CUDA: the blocks that stay are quantized on the GPU, the swapped ones are quantized and on
+    the host, and the device never held more than the kept part plus a block or so."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    trainable = _flux(device, blocks=2)
+    model = trainable.model
+    QLinear = _qlinear()
+    swapped = {"transformer_blocks.1", "single_transformer_blocks.2", "single_transformer_blocks.3"}
+    for list_name in ("transformer_blocks", "single_transformer_blocks"):
+        for i, block in enumerate(getattr(model, list_name)):
+            where = "cpu" if f"{list_name}.{i}" in swapped else "cuda"
+            for m in block.modules():
+                if isinstance(m, nn.Linear):
+                    assert isinstance(m, QLinear), f"{list_name}.{i}"
+                    w = m.weight
+                    assert type(w).__name__ == "WeightQBytesTensor"  # never quanto's Marlin layout
+                    assert w._data.device.type == where and w._scale.device.type == where, f"{list_name}.{i}"
+            for p in block.parameters():
+                assert p.device.type == where and not p.requires_grad
+    assert model.x_embedder.weight.device.type == "cuda"
+    assert trainable.facts["full_build"]["left_on_host"] == 3
+    # The kept blocks in fp8 and the rest in fp32; the largest block in fp32 at most on top.
+    kept = torch.cuda.memory_allocated(device) - base
+    largest = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.transformer_blocks)
+    assert torch.cuda.max_memory_allocated(device) - base <= kept + 2 * largest
+
+
+def test_the_gpu_checks_bench_command_needs_no_data_or_model(small, on_cpu_too, tmp_path, monkeypatch) -> None:
+    """benchmarks/gpu_check.sh runs `bench-swap presets/flux.toml --arch full` where neither the
+    preset's dataset nor FLUX.1-dev exists: the worker must not look for them."""
+    monkeypatch.chdir(tmp_path)  # no datasets/my_subject, no .imglora/cache here
+    r = bench.run_setting({"preset": str(REPO / "presets" / "flux.toml"), "overrides": [], "precision": "fp8",
+                           "blocks": 2, "steps": 1, "warmup": 0, "resolution": 64, "arch": "full"})
+    assert r["status"] == "ok", r
+    assert r["full_build"]["left_on_host"] == 3 and r["swap"]["swapped_blocks"] == 3
+    assert not any(tmp_path.iterdir())  # and writes nothing

@@ -1,0 +1,380 @@
+"""The one-shot GPU check (benchmarks/gpu_check.sh) and its helpers, without a GPU: the probe's
+no-CUDA mode, the summary's verdicts on hand-written results, and (with --slow) the whole script
+in its --dry-run mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+GiB = 2**30
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_imglora_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def probe_mod() -> ModuleType:
+    return _load("gpu_probe")
+
+
+@pytest.fixture(scope="module")
+def summary_mod() -> ModuleType:
+    return _load("gpu_summary")
+
+
+# ------------------------------------------------------------------------------------ probe
+
+
+def test_probe_without_cuda_exits_0_and_writes_cuda_false(probe_mod, tmp_path, monkeypatch, capsys) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
+    out = tmp_path / "sub" / "probe.json"
+    assert probe_mod.main(["--out", str(out)]) == 0
+    assert "no CUDA device: probe skipped" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["cuda"] is False and data["torch"] == torch.__version__
+
+
+def _probe_result(**over) -> dict:
+    r = {"cuda": True, "probe_seconds": 12.3,
+         "environment": {"gpu": "NVIDIA H200", "compute_capability": "9.0", "total_memory_bytes": 150 * GiB,
+                         "driver": "999.1", "pcie": "5, 16", "cuda_runtime": "12.8", "torch": "2.13.0+cu128"},
+         "bandwidth": {"bytes": 256 * 2**20, "repeats": 5,
+                       **{k: {"gbps": 40.0, "gbps_wall": 39.0, "seconds": [0.0067]}
+                          for k in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable")}},
+         "overlap": {"copy_seconds": 0.05, "compute_seconds": 0.05, "both_seconds": 0.06, "overlap_ratio": 0.8,
+                     "matmuls": 300},
+         "fp8": {"shape": "4096x3072 @ 3072x3072", "fp8_tensor_cores": True, "bf16_tflops": {"tflops": 500.0},
+                 "scaled_mm": {"tflops": 900.0}, "scaled_mm_fast_accum": {"error": "RuntimeError: nope"},
+                 "speedup_vs_bf16": 1.8}}
+    r.update(over)
+    return r
+
+
+def test_probe_summary_formats_figures_and_errors(probe_mod) -> None:
+    # Made-up numbers: only the formatting is checked (the GPU code paths need a GPU).
+    text = probe_mod.summary(_probe_result())
+    assert "NVIDIA H200" in text and "overlap ratio 0.80" in text and "RuntimeError: nope" in text
+    broken = probe_mod.summary(_probe_result(bandwidth={"error": "OSError: no pinned memory"},
+                                             overlap={"error": "x"}, fp8={"error": "y"}))
+    assert "OSError: no pinned memory" in broken
+
+
+def test_probe_guard_records_the_error_instead_of_raising(probe_mod) -> None:
+    assert probe_mod._guard(lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
+
+
+class _FakeCuda:
+    """torch.cuda as the probe uses it, on the CPU: events read the host clock, streams do nothing."""
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = None
+
+        def record(self, stream=None) -> None:
+            import time
+
+            self.t = time.perf_counter()
+
+        def synchronize(self) -> None:
+            assert self.t is not None, "synchronize() on an event never recorded"
+
+        def elapsed_time(self, end) -> float:
+            assert self.t is not None and end.t is not None
+            return (end.t - self.t) * 1e3  # ms, as CUDA events
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_event(self, event) -> None:
+            assert isinstance(event, _FakeCuda.Event)
+
+    def __init__(self) -> None:
+        self.slept = 0
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device=None):
+        return _FakeCuda.Stream()
+
+    def stream(self, s):
+        import contextlib
+
+        assert isinstance(s, _FakeCuda.Stream)
+        return contextlib.nullcontext()
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def _sleep(self, cycles: int) -> None:
+        self.slept += 1
+
+    def get_device_properties(self, device):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="Fake GPU", total_memory=80 * GiB, multi_processor_count=132)
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        return (9, 0)
+
+    def device_count(self) -> int:
+        return 1
+
+
+def _fake_torch(tuple_result: bool) -> object:
+    """The real torch with CUDA mapped onto the CPU: tensors asked for on "cuda" or in pinned memory
+    are plain CPU tensors; ``_scaled_mm`` checks the arguments as CUDA's does (fp8 operands, the
+    second column-major, float32 scalar scales) and returns a tensor, or (out, amax) like torch < 2.4."""
+    import torch
+
+    def cpu(fn):
+        def wrapped(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            kwargs.pop("device", None)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and b.stride(0) == 1, "mat2 must be column-major fp8"
+        assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.numel() == 1
+        out = (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
+        return (out, torch.zeros(())) if tuple_result else out
+
+    class Fake:
+        cuda = _FakeCuda()
+        version = SimpleNamespace(cuda="12.8")
+        empty, randn, ones = (staticmethod(cpu(f)) for f in (torch.empty, torch.randn, torch.ones))
+        _scaled_mm = staticmethod(scaled_mm)
+
+        @staticmethod
+        def device(*args, **kwargs):
+            return torch.device("cpu")
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    return Fake()
+
+
+@pytest.mark.parametrize("tuple_result", [False, True], ids=["torch>=2.4", "torch<2.4"])
+def test_probe_cuda_code_runs_against_a_cpu_stand_in(probe_mod, monkeypatch, tuple_result) -> None:
+    """Every CUDA section of the probe, run with CUDA mapped onto the CPU and shrunk sizes: the
+    code's plumbing (calls, keys, arithmetic, the summary), not any figure."""
+    monkeypatch.setattr(probe_mod, "OVERLAP_MATMUL", 64)
+    monkeypatch.setattr(probe_mod, "OVERLAP_COPIES", 2)
+    monkeypatch.setattr(probe_mod, "FP8_SHAPE", (64, 32, 48))
+    monkeypatch.setattr(probe_mod, "MATMUL_ITERS", 2)
+    fake = _fake_torch(tuple_result)
+    r = probe_mod.probe(fake, 2**20, 2)
+    for section in ("environment", "bandwidth", "overlap", "fp8"):
+        assert "error" not in r[section], (section, r[section])
+    assert r["environment"]["gpu"] == "Fake GPU" and r["environment"]["compute_capability"] == "9.0"
+    assert set(r["bandwidth"]) >= {"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"}
+    assert all(r["bandwidth"][k]["gbps"] > 0 for k in ("h2d_pinned", "d2h_pageable"))
+    assert r["overlap"]["matmuls"] >= 10 and r["overlap"]["copy_seconds"] > 0 and fake.cuda.slept > 0
+    f = r["fp8"]
+    assert f["fp8_tensor_cores"] and f["scaled_mm"]["tflops"] > 0 and f["scaled_mm_fast_accum"]["tflops"] > 0
+    assert f["scaled_mm"]["max_rel_error_vs_bf16_of_fp8_inputs"] < 0.02 and f["speedup_vs_bf16"] > 0
+    text = probe_mod.summary(r)
+    assert "Fake GPU" in text and "torch._scaled_mm fp8" in text
+    json.dumps(r)  # the JSON the check writes
+
+
+# ------------------------------------------------------------------------------------ summary
+
+
+def _result(setting: str, spu: float, peak: int | None, status: str = "ok", device: str = "cuda") -> dict:
+    if status != "ok":
+        return {"setting": setting, "status": status, "stage": "forward", "error": "CUDA out of memory. Tried"}
+    return {"setting": setting, "status": "ok", "device": device,
+            "sec_per_update": {"median": spu, "mean": spu, "p10": spu, "p90": spu, "n": 8, "warmup": 3},
+            "peak_allocated": peak, "peak_reserved": peak, "peak_rss": 20 * GiB, "h2d_bytes_per_update": 2**30,
+            "setup_seconds": 30.0}
+
+
+def _write_inputs(folder: Path, results: list[dict], *, plan: bool = True, pytest_rc: int = 0,
+                  failures: int = 0, cuda: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    bench = folder / "bench-flux"
+    bench.mkdir()
+    (bench / "bench.json").write_text(json.dumps({
+        "preset": "presets/flux.toml", "arch": "full", "resolution": 1024, "steps": 8, "warmup": 3,
+        "results": results, "environment": {"device_name": "NVIDIA H200", "torch": "2.13.0"}}))
+    (folder / "probe.json").write_text(json.dumps(_probe_result() if cuda else {"cuda": False}))
+    if plan:
+        (folder / "plan.json").write_text(json.dumps({"settings": [
+            {"setting": "fp8:18", "precision": "fp8", "blocks_to_swap": 18, "device_peak_bytes": 8 * GiB,
+             "host_peak_bytes": 9 * GiB, "terms": {"weights": 6 * GiB, "activations": 2 * GiB}},
+            {"setting": "fp8:0", "precision": "fp8", "blocks_to_swap": 0, "device_peak_bytes": 14 * GiB,
+             "host_peak_bytes": 3 * GiB, "terms": {"weights": 12 * GiB}}], "fastest_fit": "fp8:18"}))
+    (folder / "pytest-gpu.xml").write_text(
+        f'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="12" failures="{failures}" '
+        f'errors="0" skipped="1"></testsuite></testsuites>')
+    (folder / "steps.tsv").write_text(f"env\tok\t0\t5\tpython 3.12\nprobe\tok\t0\t20\t\n"
+                                      f"pytest\t{'ok' if pytest_rc == 0 else 'failed'}\t{pytest_rc}\t60\t\n"
+                                      "bench\tok\t0\t150\t\n" +
+                                      ("plan\tok\t0\t5\t\n" if plan else
+                                       "plan\tskipped\t\t0\timglora plan not available\n"))
+    return folder
+
+
+def _run(summary_mod, folder: Path, *extra: str) -> tuple[int, str, str, dict[str, str]]:
+    """(exit status, text, Markdown, {target key: verdict}) of the summary of ``folder``."""
+    args = summary_mod.parse_args([
+        "--probe", str(folder / "probe.json"), "--bench", str(folder / "bench-flux" / "bench.json"),
+        "--plan", str(folder / "plan.json"), "--junit", str(folder / "pytest-gpu.xml"),
+        "--steps", str(folder / "steps.tsv"), *extra])
+    text, md, rc, rows = summary_mod.render(args)
+    keys = {v: k for k, v in summary_mod.TARGETS.items()}
+    return rc, text, md, {keys[r["target"]]: r["verdict"] for r in rows}
+
+
+def test_summary_all_targets_pass_with_the_plan_next_to_the_peaks(summary_mod, tmp_path) -> None:
+    folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.52, 8 * GiB)])
+    rc, text, md, v = _run(summary_mod, folder)
+    assert rc == 0 and "ALL TARGETS PASS" in text
+    assert v == {"peak": "PASS", "speed": "PASS", "ratio": "PASS", "tests": "PASS"}
+    assert "8.00 GiB (measured / plan 1.00)" in text and "plan predicts 8.00 GiB" in text
+    assert "| fp8 + 18 swapped blocks: peak allocated < 10 GiB | 8.00 GiB (measured / plan 1.00) | 8.00 GiB | PASS |" in md
+    assert "| fp8:18 | ok | 0.520 |" in md and "| 8.00 | 9.00 |" in md  # plan device / host peaks per setting
+    assert "fastest setting that fits: `fp8:18`" in md and "Plan terms for `fp8:18`: weights 6.00 GiB" in md
+    assert "NVIDIA H200" in md and "DRY RUN" not in md
+
+
+def test_summary_fails_each_target_it_misses(summary_mod, tmp_path) -> None:
+    folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.70, 11 * GiB)],
+                           pytest_rc=1, failures=2)
+    rc, text, md, v = _run(summary_mod, folder)
+    assert rc == 1 and "4 FAIL" in text
+    assert v == {"peak": "FAIL", "speed": "FAIL", "ratio": "FAIL", "tests": "FAIL"}
+    assert "1.400 (0.700 / 0.500 s)" in text and "2 failed" in text
+
+
+def test_summary_a_setting_that_ran_out_of_memory(summary_mod, tmp_path) -> None:
+    folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0, None, "oom")])
+    rc, text, _, v = _run(summary_mod, folder)
+    assert rc == 1
+    assert (v["peak"], v["speed"], v["ratio"]) == ("FAIL", "NOT MEASURED", "NOT MEASURED")
+    assert "fp8:18: oom at stage forward" in text
+
+
+def test_summary_without_plan_says_so_and_still_judges(summary_mod, tmp_path) -> None:
+    folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.52, 8 * GiB)],
+                           plan=False)
+    rc, text, md, v = _run(summary_mod, folder)
+    assert rc == 0 and v["peak"] == "PASS"
+    assert "plan: not available (imglora plan not available); predictions left blank" in text
+    assert "| 8.00 GiB | — | PASS |" in md  # no prediction next to the measured peak
+
+
+def test_summary_of_a_bench_stopped_before_bench_json(summary_mod, tmp_path) -> None:
+    folder = _write_inputs(tmp_path / "c", [])
+    (folder / "bench-flux" / "bench.json").unlink()
+    for i, (setting, result) in enumerate([("fp8:0", _result("fp8:0", 0.5, 14 * GiB)), ("fp8:18", None)], 1):
+        d = folder / "bench-flux" / f"setting-{i}"
+        d.mkdir()
+        precision, _, blocks = setting.partition(":")
+        (d / "spec.json").write_text(json.dumps({"precision": precision, "blocks": int(blocks)}))
+        if result:
+            (d / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "setting"}))
+    rc, text, _, v = _run(summary_mod, folder)
+    assert rc == 1 and "stopped before bench.json was written" in text
+    assert "fp8:18: unfinished" in text and "| fp8:0" not in text  # text table, not markdown
+
+
+def test_summary_dry_run_measures_nothing(summary_mod, tmp_path) -> None:
+    folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.1, None, device="cpu"),
+                                            _result("fp8:4", 0.12, None, device="cpu")], plan=False, cuda=False)
+    rc, text, md, v = _run(summary_mod, folder, "--dry-run", "--swapped", "fp8:4")
+    assert rc == 0 and "DRY RUN" in text and "PASS" not in text and "FAIL" not in text
+    assert set(v.values()) == {"not measured (no GPU)"}
+    assert md.count("| not measured (no GPU) |") == 4 and "fp8:4 stands in for fp8:18" in md
+
+
+def test_summary_main_writes_markdown_and_needs_no_inputs(summary_mod, tmp_path, capsys) -> None:
+    md = tmp_path / "out" / "summary.md"
+    rc = summary_mod.main(["--md", str(md), "--probe", str(tmp_path / "none.json")])
+    assert rc == 1  # nothing measured on what claims to be a GPU run
+    assert md.is_file() and all(t in md.read_text() for t in summary_mod.TARGETS.values())
+
+
+# ------------------------------------------------------------------------------------ script
+
+
+def test_script_parses_and_refuses_unknown_arguments() -> None:
+    assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown argument: --bogus" in r.stderr
+
+
+def _script_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    # this checkout's imglora, whatever is installed
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_and_names_each_target(tmp_path) -> None:
+    out = tmp_path / "check"
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
+                       env=_script_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    md = (out / "summary.md").read_text()
+    for target in ("fp8 + 18 swapped blocks: peak allocated < 10 GiB",
+                   "fp8 + 18 swapped blocks: seconds per update <= 0.6 s",
+                   "fp8:18 / fp8:0 seconds per update <= 1.05", "GPU tests (pytest -m gpu) pass"):
+        assert target in md
+    assert "DRY RUN" in md and md.count("| not measured (no GPU) |") == 4 and "| PASS |" not in md
+    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    status = {s[0]: s[1] for s in steps}
+    assert status["env"] == status["probe"] == status["pytest"] == status["bench"] == "ok"
+    assert status["plan"] in ("ok", "skipped")
+    assert json.loads((out / "probe.json").read_text())["cuda"] is False
+    bench = json.loads((out / "bench-flux" / "bench.json").read_text())
+    assert [x["setting"] for x in bench["results"]] == ["fp8:0", "fp8:4"]
+    assert all(x["status"] == "ok" for x in bench["results"])
+    assert "no CUDA device: probe skipped" in (out / "check.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_missing_library_skips_the_steps_that_need_it(tmp_path) -> None:
+    out = tmp_path / "check"
+    env = {**_script_env(), "GPU_CHECK_EXTRA_MODULES": "imglora_test_no_such_module", "GPU_CHECK_PIP": "0"}
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "MISSING (could not install): imglora_test_no_such_module" in r.stdout
+    status = {s.split("\t")[0]: s.split("\t")[1] for s in (out / "steps.tsv").read_text().splitlines()}
+    assert status == {"env": "ok", "probe": "ok", "pytest": "skipped", "bench": "skipped", "plan": "skipped"}
+    assert "not run: needs pytest" in (out / "summary.md").read_text()
+
+
+def test_shellcheck_finds_nothing_if_installed() -> None:
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck is not installed")
+    r = subprocess.run([exe, str(BENCH / "gpu_check.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
