@@ -206,7 +206,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             process_rss: int = 0, profiles: dict[Any, Profile] | None = None) -> Plan:
     """The plan for each of ``settings`` on a ``device_kind`` ("cuda" or "cpu") machine."""
     from . import devices
-    from .family import Swappable, supports
+    from .family import supports
+    from .memory.wrap import swap_plan
 
     from .family import Benchable, Plannable
 
@@ -233,18 +234,14 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         model = prof.model
         quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision == "fp8" else set()
 
-        lists = list(family.swappable_blocks) if supports(family, Swappable) else []
-        if s.blocks and not lists:
+        plan_ = swap_plan(model, family, cfg, s.blocks)
+        if s.blocks and not plan_:
             raise ImgloraError(f"the {family.name} family has no swappable blocks; use 0 blocks")
-        lengths = [len(model.get_submodule(n)) for n in lists]
-        counts = family.swap_counts(lengths, cfg, s.blocks) if lists else []
-        from .memory.swap import swap_mask
-
         resident = swapped = 0
         pools: dict[Any, list[int]] = {}
         in_blocks = 0
-        for name, n, count in zip(lists, lengths, counts):
-            for i, (blk, sw) in enumerate(zip(model.get_submodule(name), swap_mask(n, count))):
+        for name, mask in plan_:
+            for i, (blk, sw) in enumerate(zip(model.get_submodule(name), mask)):
                 prefix = f"{name}.{i}."
                 plain = frozen_bytes(blk, quantized, prefix)
                 in_blocks += plain
@@ -262,7 +259,9 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         state, temps, opt_note = optimizer_bytes(cfg, prof.lora_params, cuda)
         dequant = 0
         if quantized:
-            dequant = max(model.get_submodule(n).weight.numel() for n in quantized) * \
+            # quanto's matmul (CPU, and CUDA for fp8 weights) makes the weight in the compute dtype,
+            # then that times its scales: two copies of the largest layer for a moment.
+            dequant = 2 * max(model.get_submodule(n).weight.numel() for n in quantized) * \
                 (torch.finfo(prof.dtype).bits // 8)
         act_extra = prof.peak - prof.saved
         offloaded = 0
@@ -282,7 +281,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
             Term("activations_saved", "activations kept for backward (checkpoint boundaries)", saved, dev),
             Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),
-            Term("fp8_dequant", "one weight dequantized for a matmul (fp8)", dequant, dev),
+            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (2 copies at once)", dequant, dev),
         ]
         if not cuda:
             terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,
@@ -295,11 +294,11 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         device_peak = max(backward, step)
         phase = "backward" if backward >= step else "optimizer step"
         if cuda:
-            load_block = max((frozen_bytes(b, set()) for n in lists for b in model.get_submodule(n)), default=0)
-            setup_note = ("the transformer streamed block by block (one block in its load dtype at a time)"
-                          if src is not None and src.files else
-                          "the model read whole in its load dtype before quantizing and placing it")
-            setup = load_block + swapped if src is not None and src.files else frozen_bytes(model, set())
+            load_block = max((frozen_bytes(b, set()) for n, _ in plan_ for b in model.get_submodule(n)), default=0)
+            streams = bool(getattr(family, "streams_blocks", False))
+            setup_note = ("the transformer read block by block (one block in its load dtype at a time)" if streams
+                          else "the model read whole in its load dtype before it is quantized and placed")
+            setup = load_block + swapped if streams else frozen_bytes(model, set())
             terms += [Term("host_swapped", "swapped blocks in pinned host memory", swapped, "host"),
                       Term("host_checkpoints", "checkpoint boundaries in pinned host memory", offloaded, "host"),
                       Term("host_setup", f"set-up peak on top: {setup_note}", max(0, setup - swapped), "host"),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import atomic, checkpoint, devices, economics, loop, plan, record, resume, runlog, telemetry
+from . import atomic, checkpoint, devices, economics, loop, oom, plan, record, resume, runlog, telemetry
 from .data.batches import Batcher
 from .errors import ImgloraError
 from .memory.wrap import check_swap_counts
@@ -72,62 +72,69 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
     t_setup = time.perf_counter()
     telemetry.reset_peaks(device)
+    stages = oom.Stages()  # an out-of-memory error is reported with the stage it happened in
+    run: _Run | None = None
+    with oom.guard(stages, rec, device, lambda: memory_plan, lambda: run and run.last_checkpoint_path()):
 
-    # -- setup: data first (encoders are loaded only for missing entries, then freed) ----------
-    with rec.phase("cache"):
-        data = family.prepare_data(cfg, src, device)
-    for w in data.warnings:
-        out(f"warning: {w}")
-    out(f"data: {data.summary}")
-    with rec.phase("load_model"):
-        trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
-        batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
-        total = loop.total_updates(cfg, batcher.per_epoch)
-        session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
-    n_params = sum(p.numel() for p in session.params)
-    out(f"model: {family.name} from {src}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
-        f"{n_params:,} trainable parameters, device {device}, {total} updates")
-    start = resume.restore(resume_from, family, session, data.version, total, out) if resume_from else 0
-    run = _Run(cfg, family, session, rec, data, total, start, t_setup, out)
-    with rec.phase("checksums"):  # hashed once per file and remembered (record.cached_sha256)
-        rec.set(model_checksums=src.checksums())
-    runlog.plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
-    rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(src.root),
-            model_source=src.to_record(), model_facts=trainable.facts,
-            dataset_version=data.version, dataset_items=len(data.samples), trainable_parameters=n_params,
-            total_updates=total, resumed_from=start or None, memory=session.memory.facts, memory_plan=memory_plan)
+        # -- setup: data first (encoders are loaded only for missing entries, then freed) ------
+        with rec.phase("cache"), stages("caching"):
+            data = family.prepare_data(cfg, src, device)
+        for w in data.warnings:
+            out(f"warning: {w}")
+        out(f"data: {data.summary}")
+        with rec.phase("load_model"):
+            with stages("loading"):
+                trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
+            batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
+            total = loop.total_updates(cfg, batcher.per_epoch)
+            with stages("quantizing"):
+                session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
+        n_params = sum(p.numel() for p in session.params)
+        out(f"model: {family.name} from {src}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
+            f"{n_params:,} trainable parameters, device {device}, {total} updates")
+        start = resume.restore(resume_from, family, session, data.version, total, out) if resume_from else 0
+        run = _Run(cfg, family, session, rec, data, total, start, t_setup, out, stages)
+        with rec.phase("checksums"):  # hashed once per file and remembered (record.cached_sha256)
+            rec.set(model_checksums=src.checksums())
+        runlog.plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
+        rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(src.root),
+                model_source=src.to_record(), model_facts=trainable.facts,
+                dataset_version=data.version, dataset_items=len(data.samples), trainable_parameters=n_params,
+                total_updates=total, resumed_from=start or None, memory=session.memory.facts,
+                memory_plan=memory_plan)
 
-    # -- the loop ------------------------------------------------------------------------------
-    accum = cfg.train.grad_accum
-    step = start
-    t_loop = time.perf_counter()
-    with _StopFlag() as stop, rec.phase("train_loop"):
-        for step in range(start + 1, total + 1):
-            seed = loop.step_seed(cfg.train.seed, step)
-            torch.manual_seed(seed)  # LoRA dropout draws from the global RNG
-            gen = torch.Generator(device=device).manual_seed(seed)
-            micro = range((step - 1) * accum, step * accum)
-            loop.step(session, (batcher.batch(i, device) for i in micro), gen, run.loss_sum)
-            run.note_non_finite(step)  # on the device: no .item(), no wait for the device
-            if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
-                run.log(step)  # a sync point, once per log
-            if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
-                run.validate(step)
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
-                    total, run.last_good_ckpt):
-                run.checkpoint(step)
-            if stop.signal or run.stop_signal == "budget":
-                run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
-                break
-    return run.finish(step, time.perf_counter() - t_loop, command)
+        # -- the loop --------------------------------------------------------------------------
+        accum = cfg.train.grad_accum
+        step = start
+        t_loop = time.perf_counter()
+        stages.detail = lambda: oom.step_stage(session.stage, step == start + 1)
+        with _StopFlag() as stop, rec.phase("train_loop"), stages("training"):
+            for step in range(start + 1, total + 1):
+                seed = loop.step_seed(cfg.train.seed, step)
+                torch.manual_seed(seed)  # LoRA dropout draws from the global RNG
+                gen = torch.Generator(device=device).manual_seed(seed)
+                micro = range((step - 1) * accum, step * accum)
+                loop.step(session, (batcher.batch(i, device) for i in micro), gen, run.loss_sum)
+                run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+                if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
+                    run.log(step)  # a sync point, once per log
+                if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
+                    run.validate(step)
+                if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
+                        total, run.last_good_ckpt):
+                    run.checkpoint(step)
+                if stop.signal or run.stop_signal == "budget":
+                    run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
+                    break
+        return run.finish(step, time.perf_counter() - t_loop, command)
 
 
 class _Run:
     """What the "every N updates" blocks share: the log, timing, checkpoints, the budget projection."""
 
     def __init__(self, cfg: "Config", family: "Family", session: loop.Session, rec: record.RunRecord, data: Any,
-                 total: int, start: int, t_setup: float, out: Callable[[str], None]):
-        self.cfg, self.family, self.s, self.rec, self.data = cfg, family, session, rec, data
+                 total: int, start: int, t_setup: float, out: Callable[[str], None], stages: oom.Stages):
+        self.cfg, self.family, self.s, self.rec, self.data, self.stages = cfg, family, session, rec, data, stages
         self.total, self.start, self.t_setup, self.out = total, start, t_setup, out
         self.run_dir, self.device = cfg.run_dir, session.device
         self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
@@ -182,10 +189,14 @@ class _Run:
             if self.projection.over:
                 self.stop_signal = "budget"
 
+    def last_checkpoint_path(self) -> str | None:
+        return str(checkpoint.step_dir(self.run_dir, self.last_good_ckpt)) if self.last_good_ckpt else None
+
     def validate(self, step: int) -> None:
         s = self.s
-        val = loop.validation_loss(s.trainable, s.memory, self.data.validation, self.family.collate, self.device,
-                                   self.cfg.train.seed, s.accelerator.autocast)
+        with self.stages("evaluation"):
+            val = loop.validation_loss(s.trainable, s.memory, self.data.validation, self.family.collate,
+                                       self.device, self.cfg.train.seed, s.accelerator.autocast)
         self.history.append({"step": step, "val_loss": val, "time": time.time()})
         runlog.append(self.log_path, self.history[-1])
         self.out(f"  validation loss at update {step}: {val:.4f} ({len(self.data.validation)} held-out examples)")
@@ -196,7 +207,7 @@ class _Run:
     def checkpoint(self, step: int) -> Path:
         self.check_finite()
         t0 = time.perf_counter()
-        with self.rec.phase("checkpoints"):
+        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"):
             path = checkpoint.save(self.run_dir, step, write_adapter=self.write_adapter, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
@@ -231,7 +242,7 @@ class _Run:
             ckpt_path = None
         adapter = None
         if not interrupted:
-            with atomic.atomic_dir(self.run_dir / "adapter") as tmp:
+            with atomic.atomic_dir(self.run_dir / "adapter") as tmp, self.stages("checkpoint saving"):
                 adapter = self.run_dir / "adapter" / self.write_adapter(tmp).relative_to(tmp)
         runlog.plot_loss(self.history, self.run_dir / "loss.png")
         if self.tb:

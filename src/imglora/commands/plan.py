@@ -24,8 +24,9 @@ def source_or_shipped(cfg: "Config", family: Any) -> tuple["ModelSource | None",
     try:
         return resolve_model(cfg.model, family), None
     except ImgloraError as exc:
-        return None, (f"{cfg.model.path} is not on this machine ({str(exc).splitlines()[0][:160]}); planned from "
-                      f"the architecture config imglora ships for the {family.name} family")
+        why = str(exc).splitlines()[0].split(". ")[0]
+        return None, (f"{cfg.model.path} is not on this machine ({why}); planned from the architecture config "
+                      f"imglora ships for the {family.name} family")
 
 
 def default_settings(cfg: "Config", family: Any, src: "ModelSource | None") -> list[plan.Setting]:
@@ -84,6 +85,8 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
         p.notes.append(note)
     p.notes.append("allocated tensor bytes, predicted from the architecture on the meta device and one "
                    "micro-batch's forward and backward run there (checked within 10 % of real CPU runs)")
+    p.notes.append("not counted: filling the cache (`imglora cache-latents`), which loads the VAE and text "
+                   "encoders once, before the model; run it first and training never loads them")
     if device == "cuda":
         p.notes.append("a card needs the peak x 1.05 (allocator rounding) + about 0.5 GiB (CUDA context); "
                        "host RAM counts this process as measured now, without CUDA's libraries")

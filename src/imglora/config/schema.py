@@ -167,8 +167,8 @@ class MemoryConfig:
                      "family supports it.")
     offload_checkpoints: bool = setting(
         False, help="With gradient checkpointing: keep each block's saved inputs in pinned host memory, copied back "
-                    "when backward recomputes the block (kohya's cpu_offload_checkpointing; about 1.5 GiB less for "
-                    "FLUX.1 at 1024 px, one copy each way per block).", resume_safe=True)
+                    "when backward recomputes the block (kohya's cpu_offload_checkpointing; about 1.5 GiB less for a "
+                    "12B transformer at 1024 px, one copy each way per block).", resume_safe=True)
     swap_prefetch: int = setting(1, help="Swapped blocks copied ahead of the one running; each needs a device "
                                          "buffer per block shape (slots = swap_prefetch + 1). Raise it when a "
                                          "block's copy takes longer than its compute (bench-swap shows the stall).",

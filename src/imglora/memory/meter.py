@@ -55,7 +55,14 @@ class LiveBytes(TorchDispatchMode):
         return self.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        inner = _python_kernels().get(str(func))
+        if inner is not None:
+            # A custom op implemented in Python allocates inside itself, where a dispatch mode does
+            # not look (it is off while it handles the op): run the implementation with it on.
+            with self:
+                out = inner(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         # A view or an in-place result shares an input's storage: nothing was allocated (and a
         # storage made before the meter started, such as a weight, must not be counted when an op
         # first returns a view of it).
@@ -67,6 +74,29 @@ class LiveBytes(TorchDispatchMode):
                 continue
             self._track(t)
         return out
+
+
+_KERNELS: dict[str, Any] | None = None
+
+
+def _python_kernels() -> dict[str, Any]:
+    """Custom ops whose CPU implementation is Python: optimum-quanto's fp8/int8 matmul dequantizes
+    the whole weight (two copies for a moment) inside the op."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = {}
+        try:
+            from optimum.quanto.library import qbytes_mm as q
+
+            def fp8_mm(activations: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+                if weights.dtype.is_floating_point:  # the path quanto's CPU (and CUDA) kernel takes for fp8
+                    return q.qbytes_mm(activations, weights, scales)
+                return torch.ops.quanto.qbytes_mm(activations, weights, scales)
+
+            _KERNELS["quanto.qbytes_mm.default"] = fp8_mm
+        except (ImportError, AttributeError):
+            pass
+    return _KERNELS
 
 
 def held_bytes(*objects: Any) -> int:

@@ -42,6 +42,7 @@ class FluxFamily:
     quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
     swappable_blocks = swap.BLOCK_LISTS
+    streams_blocks = True  # the transformer is read block by block (stream.py): plan's host-RAM term
     export_formats = keys.FORMATS
     pipeline = "FluxPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "transformer"  # its subfolder and the adapter keys' prefix

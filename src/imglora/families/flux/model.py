@@ -163,7 +163,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "FluxTr
 
     config = diffusers_config(FluxTransformer2DModel, root or singlefile.CONFIGS / "flux1-dev", "transformer")
     with torch.device("meta"):
-        transformer = FluxTransformer2DModel.from_config(config).to(dtype)
+        transformer = torch.nn.Module.to(FluxTransformer2DModel.from_config(config), dtype)  # (no diffusers warning)
     transformer.requires_grad_(False)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()

@@ -155,7 +155,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTr
     root = root or singlefile.SHIPPED
     config = diffusers_config(UNet2DConditionModel, root, "unet")
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(config).to(dtype)
+        unet = torch.nn.Module.to(UNet2DConditionModel.from_config(config), dtype)  # (no diffusers warning)
     unet.requires_grad_(False)
     if cfg.memory.gradient_checkpointing:
         unet.enable_gradient_checkpointing()

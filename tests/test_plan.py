@@ -1,0 +1,130 @@
+"""imglora plan: the prediction against the bytes a real step allocates, the CLI, the budget check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from imglora import loop, plan
+from imglora.cli import main
+from imglora.commands.common import family_of, load_config
+from imglora.errors import ImgloraError
+from imglora.memory.meter import LiveBytes, held_bytes
+from imglora.models import resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def measured_peak(cfg) -> int:
+    """Peak tensor bytes over three real training updates on the CPU: what exists when the meter
+    starts (weights, swap buffers, LoRA, optimizer state, the batch) plus the peak it sees."""
+    family = family_of(cfg)
+    src = resolve_model(cfg.model, family)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=10, out=lambda s: None)
+    batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
+    buffers = []
+    if session.memory.swapper is not None:
+        for pool in session.memory.swapper._pools:
+            buffers += list(pool.hosts) + [s.buf for s in pool.slots]
+    loss_sum = torch.zeros(())
+    peak = 0
+    for i in range(3):  # the first update creates the optimizer state; later ones hold it throughout
+        base = held_bytes(session.model, session.optimizer, list(batch.values()), buffers, loss_sum)
+        with LiveBytes() as meter:
+            loop.step(session, [batch], torch.Generator().manual_seed(i), loss_sum)
+        peak = max(peak, base + meter.peak)
+    return peak
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("tiny-flux", ["memory.fp8=true", "memory.blocks_to_swap=4"]),
+    ("tiny-flux", ["memory.fp8=false", "memory.blocks_to_swap=0"]),
+    ("tiny-sdxl", ["memory.fp8=true"]),
+    ("tiny-sdxl", ["memory.gradient_checkpointing=false"]),
+])
+def test_the_prediction_is_within_ten_percent_of_a_real_step(preset: str, overrides: list[str]) -> None:
+    cfg = load_config(REPO / "presets" / f"{preset}.toml", overrides)
+    family = family_of(cfg)
+    setting = plan.Setting("fp8" if cfg.memory.fp8 else "model", cfg.memory.blocks_to_swap)
+    predicted = plan.predict(cfg, family, [setting], device_kind="cpu", src=resolve_model(cfg.model, family))
+    p = predicted.settings[0]
+    real = measured_peak(cfg)
+    assert 0.9 * real <= p.device_peak <= 1.1 * real, (p.device_peak, real, [(t.key, t.bytes) for t in p.terms])
+    assert p.term("activations_saved") > 0 and p.term("lora") > 0 and p.term("optimizer_state") == 2 * p.term("lora")
+
+
+def test_cli_plans_flux_from_its_shipped_config_term_by_term(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(main, ["plan", str(REPO / "presets" / "flux.toml"), "--blocks", "fp8:18,fp8:0,bf16:0",
+                                  "--resolution", "256", "--vram", "16GB", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "planned from the architecture config imglora ships" in r.output
+    d = json.loads(out.read_text())
+    by = {s["setting"]: s for s in d["settings"]}
+    s18, s0, bf = by["fp8:18"], by["fp8:0"], by["bf16:0"]
+    # 9 double + 18 single of FLUX.1-dev's 19 + 38 blocks leave the device; two slots per shape come back
+    moved = s0["terms"]["weights_resident_blocks"] - s18["terms"]["weights_resident_blocks"]
+    assert 5.0 * 2**30 < moved < 5.5 * 2**30 and s18["terms"]["swap_slots"] > 0
+    assert s18["terms"]["host_swapped"] >= moved  # the host holds them instead (padded per tensor)
+    assert bf["terms"]["weights_resident_blocks"] > 1.9 * s0["terms"]["weights_resident_blocks"]  # bf16 vs fp8
+    assert s0["device_peak_bytes"] - s18["device_peak_bytes"] == pytest.approx(
+        moved - s18["terms"]["swap_slots"], abs=2**20)
+    assert d["fastest_fit"] == "fp8:0"  # bf16 does not fit in 16 GB; fp8 unswapped is the fastest that does
+    assert "| **peak allocated** |" in r.output
+
+
+def test_flux_preset_is_predicted_within_ten_gib_at_1024() -> None:
+    cfg = load_config(REPO / "presets" / "flux.toml", [])
+    p = plan.predict(cfg, family_of(cfg), [plan.Setting("fp8", 18)], device_kind="cuda", src=None).settings[0]
+    assert cfg.memory.offload_checkpoints and p.device_peak <= 10 * 2**30, plan.table(
+        plan.Plan("flux", "cuda", 1024, "", [p]))
+
+
+def test_a_vram_budget_refuses_a_setting_that_does_not_fit_and_names_the_change_that_does(tmp_path: Path) -> None:
+    base = ["memory.fp8=false", "memory.blocks_to_swap=0", f'cache.dir="{tmp_path / "c"}"']
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", base)
+    family = family_of(cfg)
+    src = resolve_model(cfg.model, family)
+    need = {n: plan.needed_vram(plan.predict(cfg, family, [plan.Setting("model", n)], device_kind="cuda",
+                                             src=src).settings[0].device_peak) for n in (0, 6)}
+    assert need[6] < need[0]
+    budget = (need[0] + need[6]) / 2 / 2**30  # fits with 6 blocks swapped, not with 0
+    lines: list[str] = []
+    strict = cfg.replace(memory={"vram_budget": budget})
+    with pytest.raises(ImgloraError, match=r"memory.vram_budget = .* The smallest change that fits: "
+                                           r"memory.blocks_to_swap = [3-6] \(predicted peak"):
+        plan.check_at_start(strict, family, src, "cpu", lines.append)
+    assert lines and lines[0].startswith("memory plan: peak allocated")
+    assert plan.check_at_start(cfg, family, src, "cpu", lines.append) is None  # CPU, no budget: no plan
+
+
+def test_the_meter_counts_new_storage_not_views_of_old() -> None:
+    w = torch.ones(256, 256)
+    with LiveBytes() as m:
+        t = w.t()  # a view of a tensor made before: nothing allocated
+        y = w @ w  # new: 256 KiB
+        m.mark("one")
+        del y
+        z = torch.empty(100, dtype=torch.float64)
+    assert m.marks["one"] == 256 * 256 * 4 and m.peak == 256 * 256 * 4 and m.live == 800
+    assert held_bytes(w, [t, w], z) == 256 * 256 * 4 + 800  # shared storage counted once
+
+
+@pytest.mark.slow
+def test_the_prediction_holds_on_a_real_width_architecture(tmp_path: Path) -> None:
+    """FLUX.1's real blocks (width 3072), one double and two single, fp8 with and without swap."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plan_check.py"), "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {x["setting"] for x in rows} == {"fp8:0", "fp8:2"}
+    assert all(0.9 <= x["ratio"] <= 1.1 for x in rows) and all(x["measured"] > 800 * 2**20 for x in rows)
