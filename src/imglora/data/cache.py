@@ -374,7 +374,7 @@ def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: 
     sets = set_records(cfg, train_scan.items)
     text_bytes = _text_bytes(samples)
     several = len(sets) > 1
-    per_set = "; ".join(f"{r['name']}: {r['images']} images x{r['repeats']}"
+    per_set = "; ".join(f"{r['name']}: {r['images']} images, {r['samples_per_epoch']} per epoch"
                         + (" (regularization)" if r["regularization"] else "") for r in sets) if several else ""
     summary = (f"{len(samples)} images" + (f" in {len(sets)} sets ({per_set})" if several else "")
                + (f" (+{len(held)} held out)" if held else "")

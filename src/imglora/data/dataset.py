@@ -68,6 +68,7 @@ def scan_dataset(
     skip_bad_images: bool = False,
     verify_images: bool = True,
     warn_uncaptioned: bool = True,
+    dir_key: str = "data.dir",
 ) -> ScanResult:
     """Find, check and caption every image under ``root``; raise one ``DataError`` listing all
     problems, so a user fixes the dataset in one pass rather than one error per run.
@@ -85,7 +86,7 @@ def scan_dataset(
     root = Path(root)
     trigger_word = trigger_word.strip()
     warnings: list[str] = []
-    images = _find_images(root, default_repeats, warnings)
+    images = _find_images(root, default_repeats, warnings, dir_key)
     buckets = (
         make_buckets(resolution, step, min_side, max_side)
         if use_buckets
@@ -199,12 +200,13 @@ def dataset_version(items: Iterable[DatasetItem]) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def _find_images(root: Path, default_repeats: int, warnings: list[str]) -> list[tuple[Path, int]]:
+def _find_images(root: Path, default_repeats: int, warnings: list[str],
+                 dir_key: str = "data.dir") -> list[tuple[Path, int]]:
     """``(path, repeats)`` for every image in ``root`` and its ``N_name`` folders, sorted."""
     if not root.exists():
-        raise DataError([f"{root}: the dataset folder does not exist; check data.dir"])
+        raise DataError([f"{root}: the dataset folder does not exist; check {dir_key}"])
     if not root.is_dir():
-        raise DataError([f"{root}: not a folder; data.dir must name a folder of images"])
+        raise DataError([f"{root}: not a folder; {dir_key} must name a folder of images"])
     root_images, folders = _list_folder(root, warnings)
     found = [(path, default_repeats) for path in root_images]
     for folder in folders:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import set_names
 from ..errors import ConfigError, DataError, ImgloraError
+from .batches import reg_per_epoch
 from .captions import keep_tokens_warning
 from .dataset import DatasetItem, ScanResult, _first, dataset_version, scan_dataset
 from .masks import attach_masks, check_alpha
@@ -71,7 +72,7 @@ def _scan_set(cfg: "Config", family: "Family", s: "DataSetConfig", index: int) -
     key = (lambda k: f"data.sets[{index}].{k}") if cfg.data.sets else (lambda k: f"data.{k}")
     if s.regularization:
         s = replace(s, missing_caption="default", default_caption=s.class_caption, trigger_word="")
-    found = _scan(cfg, family, s, warn_uncaptioned=not s.regularization)
+    found = _scan(cfg, family, s, warn_uncaptioned=not s.regularization, dir_key=key("dir"))
     items = [replace(i, set_index=index) for i in found.items]
     problems: list[str] = []
     warnings = list(found.warnings)
@@ -96,24 +97,30 @@ def data_version(cfg: "Config", items: tuple[DatasetItem, ...]) -> str:
     sets existed), else a hash over each set's name, role and version."""
     if not cfg.data.sets:
         return dataset_version(items)
-    return hashlib.sha256(json.dumps(set_records(cfg, items, with_version=True), sort_keys=True)
-                          .encode()).hexdigest()
+    # Not the folders: a moved dataset keeps its version (as dataset_version does for one set).
+    rows = [[r["name"], r["regularization"], r["version"]] for r in set_records(cfg, items)]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
-def set_records(cfg: "Config", items: tuple[DatasetItem, ...], with_version: bool = True) -> list[dict[str, Any]]:
-    """What the run record says about each set: its images, repeats, masks and content version."""
-    names = set_names(cfg.data)
+def set_records(cfg: "Config", items: tuple[DatasetItem, ...]) -> list[dict[str, Any]]:
+    """What the run record says about each set: its images, repeats, samples per epoch (for a
+    regularization set its share of ``reg_per_epoch``, as the batcher interleaves them), masks and
+    content version."""
+    sets, names = cfg.data.all_sets, set_names(cfg.data)
+    pools = [sum(i.repeats for i in items if i.set_index == k) for k in range(len(sets))]
+    n_train = sum(n for n, s in zip(pools, sets) if not s.regularization)
+    n_reg = sum(n for n, s in zip(pools, sets) if s.regularization)
+    reg_total = reg_per_epoch(n_train, cfg.data.reg_ratio) if n_reg else 0
     out = []
-    for index, s in enumerate(cfg.data.all_sets):
+    for index, s in enumerate(sets):
         mine = [i for i in items if i.set_index == index]
-        row: dict[str, Any] = {"name": names[index], "dir": s.dir, "regularization": s.regularization,
-                               "resolution": s.resolution, "images": len(mine), "repeats": s.repeats,
-                               "samples_per_epoch": sum(i.repeats for i in mine),
-                               "masks": sum(i.mask is not None for i in mine) if s.mask_dir else
-                               (len(mine) if s.alpha_mask else 0)}
-        if with_version:
-            row["version"] = dataset_version(mine) if mine else None
-        out.append(row)
+        out.append({"name": names[index], "dir": s.dir, "regularization": s.regularization,
+                    "resolution": s.resolution, "images": len(mine), "repeats": s.repeats,
+                    "samples_per_epoch": round(reg_total * pools[index] / n_reg) if s.regularization else
+                    pools[index],
+                    "masks": sum(i.mask is not None for i in mine) if s.mask_dir else
+                    (len(mine) if s.alpha_mask else 0),
+                    "version": dataset_version(mine) if mine else None})
     return out
 
 
