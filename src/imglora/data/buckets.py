@@ -111,8 +111,9 @@ def fit_to_bucket(
 
     ``crop="center"`` crops equally from both sides; ``crop="random"`` draws the offset from
     ``random.Random(seed)``, so the same seed always gives the same crop (a latent cache keyed
-    on the seed stays valid). A ``mask`` of the image's size goes through the same resize and crop
-    (bilinear: a mask has no edges to sharpen, and Lanczos would ring around them).
+    on the seed stays valid). A ``mask`` of the image's size goes through the same resize (an area
+    average: each pixel's weight is the mean of the weights it covers, with no Lanczos ringing) and
+    crop.
     """
     if mask is not None and mask.size != img.size:
         raise ValueError(f"the mask is {mask.size[0]}x{mask.size[1]}, its image {img.size[0]}x{img.size[1]}")
@@ -138,7 +139,7 @@ def fit_to_bucket(
     box = (left, top, left + bucket_w, top + bucket_h)
     if mask is not None:
         if mask.size != (resized_w, resized_h):
-            mask = mask.resize((resized_w, resized_h), Image.Resampling.BILINEAR)
+            mask = mask.resize((resized_w, resized_h), Image.Resampling.BOX)
         mask = mask.crop(box)
     return FitResult(
         image=img.crop(box),

@@ -320,6 +320,9 @@ def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Ten
     if reg and cfg.data.prior_loss_weight != 1.0:  # only then: batches without it stay as they were
         weight = torch.tensor(cfg.data.prior_loss_weight, dtype=torch.float32)
         entries = [{**e, "loss_weight": weight} for e in entries]
+    if len(choice.variants) == 1 and not choice.dropout:  # one text: each variant holds it, as always
+        return Sample(item.bucket, item.repeats, tuple({**e, **texts[choice.variants[0]]} for e in entries),
+                      regularization=reg)
     return Sample(item.bucket, item.repeats, tuple(entries), texts=tuple(texts[t] for t in choice.variants),
                   caption_dropout=choice.dropout, empty_text=texts[EMPTY] if choice.dropout else None,
                   regularization=reg)

@@ -16,7 +16,8 @@ class Sample:
 
     ``texts``, when given, are its caption's cached text variants (``data.captions``): a batch takes
     one variant's tensors and one text's, or ``empty_text`` with probability ``caption_dropout``.
-    Without ``texts`` each variant already holds everything (the chat family's samples).
+    Without ``texts`` each variant already holds everything (an image trained on one caption, the
+    chat family's samples).
     ``regularization`` samples are interleaved by the batcher rather than repeated."""
 
     bucket: tuple[int, int]
