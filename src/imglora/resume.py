@@ -3,6 +3,10 @@
 Everything that can refuse a run is checked before any model is loaded (GPU time costs): the
 newest readable checkpoint whose settings match (a damaged one is reported and skipped), the
 dataset's content, that a new run does not write into a folder holding an earlier one.
+
+The run's length (``train.max_steps``, ``train.epochs``) may change on ``--resume``: a finished run
+continues to the new length, an unfinished one stops at it. The schedule is then the new length's
+from the checkpoint on (``continue_schedule``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ def refuse_existing_run(run_dir: Path, command: str) -> None:
     if ckpts or (run_dir / "adapter").exists():
         newest = f" (newest checkpoint: update {ckpts[-1][0]})" if ckpts else ""
         raise ImgloraError(
-            f"{run_dir} already holds a run{newest}. Continue it with `{command} --resume`, or start a new one "
-            "under another name: --set run.name=<new name>")
+            f"{run_dir} already holds a run{newest}. Continue it with `{command} --resume` (a finished run too: "
+            "add --set train.max_steps=<more>), or start a new one under another name: --set run.name=<new name>")
 
 
 def check_dependencies(cfg: "Config") -> None:
