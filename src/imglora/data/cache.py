@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,7 +376,11 @@ def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: 
         if warning:
             warnings.append(warning)
     sets = set_records(cfg, train_scan.items)
-    text_bytes = _text_bytes(samples)
+    store = Cache(cfg.cache.dir)  # the entries' files: their tensors and a small header
+    text_bytes = sum(store.path("text", s.key).stat().st_size for s in train_plan.texts.values())
+    if text_bytes > TEXT_MEMORY_WARN * _host_memory():
+        warnings.append(f"the {len(train_plan.texts)} cached text entries take {text_bytes / 2**30:.1f} GiB of host "
+                        "memory; lower shuffle_variants, or cache.text_max_length where the captions are short")
     several = len(sets) > 1
     per_set = "; ".join(f"{r['name']}: {r['images']} images, {r['samples_per_epoch']} per epoch"
                         + (" (regularization)" if r["regularization"] else "") for r in sets) if several else ""
@@ -388,11 +393,11 @@ def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: 
                         sets=sets)
 
 
-def _text_bytes(samples: list[Sample]) -> int:
-    """Host memory of the text entries the samples hold (each counted once: images share them)."""
-    seen: dict[int, int] = {}
-    for s in samples:
-        for entry in (*s.texts, *((s.empty_text,) if s.empty_text else ())):
-            for t in entry.values():
-                seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+TEXT_MEMORY_WARN = 0.25  # share of the machine's memory the text entries may take before a warning
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: never warn
+        return 2**62
