@@ -297,7 +297,7 @@ _LAST_PART = re.compile(r"(\[\d+\]|\.[^.\[\]]*)$")  # ".key" or "[3]" at the end
 
 def _origin_of(origin: dict[str, str], dotted: str) -> str | None:
     """Where a key was set: the key itself, a key under it (a section), or the nearest key above it
-    (``data.sets[1].dir`` inside the list ``data.sets`` a file set)."""
+    (for ``data.sets[1].dir``: where the list ``data.sets`` was set)."""
     found = origin.get(dotted) or next((v for k, v in origin.items() if k.startswith(dotted + ".")), None)
     key = dotted
     while found is None and (parent := _LAST_PART.sub("", key)) != key:
@@ -364,7 +364,7 @@ def _build_section(name: str, cls: type, table: dict[str, Any], where: Where, pr
         ok = ok and all(item is not None for item in items)
         values[key] = items
     for f in dataclasses.fields(cls):
-        if f.default is REQUIRED and f.default_factory is REQUIRED and f.name not in values:
+        if f.default is REQUIRED and f.default_factory is REQUIRED and f.name not in table and f.name not in values:
             problems.append(f"{where(name)}.{f.name}: missing required key ({f.metadata['help']})")
             ok = False
     if not ok:

@@ -97,7 +97,8 @@ class DataSetConfig:
     missing_caption: Literal["error", "default"] = setting(
         "error", help="An image without a caption is an error, or gets default_caption.")
     default_caption: str = setting("", help="Caption for images without one when missing_caption = \"default\".")
-    trigger_word: str = setting("", help="Prepended to every caption that does not already contain it.")
+    trigger_word: str = setting("", help="Prepended to every caption that does not already contain it (never in a "
+                                         "regularization set: its images show the class without the subject).")
     crop: Literal["center", "random"] = setting("center", help="Crop to the bucket at the center or at a "
                                                 "seeded random offset (fixed per image, so it can be cached).")
     flip: bool = setting(False, help="Also train on horizontally flipped images (both are cached).")

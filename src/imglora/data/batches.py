@@ -83,12 +83,14 @@ class Batcher:
         out: dict[tuple[int, int], list[int]] = {}
         for bucket, pool in self._reg_pool.items():
             share = self._reg_share[bucket]
+            orders: dict[int, list[int]] = {}
             chosen = []
             for pos in range(epoch * share, (epoch + 1) * share):
                 round_, at = divmod(pos, len(pool))
-                order = list(pool)
-                random.Random(f"{self.seed}/reg/{bucket}/{round_}").shuffle(order)
-                chosen.append(order[at])
+                if round_ not in orders:
+                    orders[round_] = list(pool)
+                    random.Random(f"{self.seed}/reg/{bucket}/{round_}").shuffle(orders[round_])
+                chosen.append(orders[round_][at])
             out[bucket] = chosen
         return out
 

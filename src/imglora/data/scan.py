@@ -45,10 +45,11 @@ def scan(cfg: "Config", family: "Family") -> ScanResult:
     if not cfg.eval.holdout_dir:
         return scan_result(tuple(items), tuple(warnings))
     held_root = Path(cfg.eval.holdout_dir).resolve()
-    for s in sets:
+    for i, s in enumerate(sets):
         if held_root == Path(s.dir).resolve() or Path(s.dir).resolve() in held_root.parents:
-            raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside the data folder {s.dir!r}; "
-                               "move the held-out images to a folder of their own, next to it")
+            key = f"data.sets[{i}].dir" if d.sets else "data.dir"
+            raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside {key} = {s.dir!r}; "
+                               f"move the held-out images to a folder of their own, next to {key}")
     first = next(i for i, s in enumerate(sets) if not s.regularization)  # scored as this set's images
     extra = _scan(cfg, family, replace(sets[first], dir=cfg.eval.holdout_dir, repeats=1, mask_dir="",
                                        alpha_mask=False))
