@@ -56,6 +56,20 @@ SHOTS = [
 ]
 
 
+# The same images captioned as comma-separated tags (<stem>.tags, booru style), for a set with
+# caption_ext = ".tags" and shuffle_tags; the trigger word comes first (keep_tokens = 1).
+TAGS = {
+    "01_sky": "blue sky, floating, clouds, centered",
+    "02_grass": "green grass, outdoors, portrait",
+    "03_table": "wooden table, indoors, left side",
+    "04_wall": "red brick wall, concrete floor",
+    "05_sky": "blue sky, white clouds, small, high up",
+    "06_grass": "green lawn, left side, landscape",
+    "07_table": "wooden table, close-up, indoors",
+    "08_wall": "brick wall, small, right side",
+}
+
+
 def main(out_dir: Path) -> None:
     rng = random.Random(SEED)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,6 +81,9 @@ def main(out_dir: Path) -> None:
         else:
             image.save(path, optimize=True)
         path.with_suffix(".txt").write_text(f"{TRIGGER}, {shot.caption}\n", encoding="utf-8")
+        scene = TAGS[path.stem]
+        path.with_suffix(".tags").write_text(f"{TRIGGER}, striped ball, red and yellow, smiling face, {scene}\n",
+                                             encoding="utf-8")
         print(f"wrote {path} {image.size[0]}x{image.size[1]}")
 
 

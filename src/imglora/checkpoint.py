@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,7 +123,7 @@ def config_differences(old: dict[str, Any], new: "Config", families: Any) -> lis
     flat_old, flat_new = _flatten(old), _flatten(new.to_dict())
     diffs = []
     for key in sorted(set(flat_old) | set(flat_new)):
-        if key in safe:
+        if re.sub(r"\[\d+\]", "[]", key) in safe:  # data.sets[1].dir is safe as data.sets[].dir
             continue
         a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
         if a != b:
@@ -135,6 +136,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):  # [[data.sets]]
+            for i, x in enumerate(v):
+                out.update(_flatten(x, f"{prefix}{k}[{i}]."))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -364,7 +364,7 @@ def write_workflows(stem: str, api: dict[str, Any], ui: dict[str, Any], folders:
 
 def evaluation_prompt(cfg: "Config") -> str:
     """The run's first evaluation prompt, with the trigger word in it."""
-    trigger = cfg.data.trigger_word.strip()
+    trigger = cfg.data.first_training_set().trigger_word.strip()
     prompt = cfg.eval.prompts[0].strip() if cfg.eval.prompts else (f"a photo of {trigger}" if trigger else "a photo")
     if trigger and trigger.lower() not in prompt.lower():
         prompt = f"{trigger}, {prompt}"

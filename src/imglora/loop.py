@@ -119,7 +119,7 @@ def validation_loss(trainable: "Trainable", memory: MemorySetup, samples: list[A
     model.eval()  # no dropout
     total = 0.0
     for i, sample in enumerate(samples):
-        batch = {k: v.to(device) for k, v in collate([sample.variants[0]]).items()}
+        batch = {k: v.to(device) for k, v in collate([sample.entry()]).items()}
         gen = torch.Generator(device=device).manual_seed(seed + 7919 * i)
         total += float(forward_loss(trainable, memory, batch, gen, autocast))
     model.train(was_training)

@@ -35,7 +35,8 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
     A1111/Forge and ComfyUI model managers read ``ss_*`` and ``modelspec.*``; loaders ignore them.
     """
     rec = source.record
-    res, trigger = cfg.data.resolution, cfg.data.trigger_word.strip()
+    first = cfg.data.first_training_set()
+    res, trigger = first.resolution, first.trigger_word.strip()
     ranks = sorted({m.rank for m in modules.values()})
     alpha = cfg.lora.alpha or next(iter(modules.values())).alpha
     produced = datetime.fromtimestamp(int(source.path.stat().st_mtime))  # when these weights were written
@@ -86,9 +87,16 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         **family.export_metadata(cfg, rec),
     }
     meta.update(base_model_hashes(rec, checksums))
+    sets = rec.get("dataset_sets") or []
+    if sets:  # kohya's per-folder summary: {folder: {n_repeats, img_count}}, regularization sets apart
+        for key, reg in (("ss_dataset_dirs", False), ("ss_reg_dataset_dirs", True)):
+            dirs = {s["name"]: {"n_repeats": s["repeats"], "img_count": s["images"]} for s in sets
+                    if s["regularization"] == reg}
+            if dirs:
+                meta[key] = json.dumps(dirs)
     if trigger:
         # kohya counts caption tags per dataset folder; imglora records the tag it prepended to every caption.
-        folder = Path(cfg.data.dir or "dataset").name
+        folder = Path(first.dir or "dataset").name
         meta["ss_tag_frequency"] = json.dumps({folder: {trigger: rec.get("dataset_items") or 1}})
     return {k: str(v) for k, v in meta.items() if v is not None}
 

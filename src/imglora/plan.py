@@ -13,6 +13,7 @@ the measured CUDA peak.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -213,7 +214,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
 
     if not (supports(family, Plannable) and supports(family, Benchable)):
         raise ImgloraError(f"imglora plan does not know the {family.name} family's architecture yet")
-    resolution = resolution or cfg.data.resolution
+    resolution = resolution or cfg.data.max_resolution
     cuda = device_kind == "cuda"
     mp = cfg.train.mixed_precision
     autocast_on = cuda and mp != "no"
@@ -462,10 +463,12 @@ def smallest_change(cfg: "Config", family: Any, src: "ModelSource", budget: int,
     while rank > 4:
         rank //= 2
         tries.append((f"lora.rank = {rank}", cfg.replace(lora={"rank": rank}), own))
-    res = cfg.data.resolution
+    res = cfg.data.max_resolution
     for r in (768, 640, 512):
-        if r < res:
-            tries.append((f"data.resolution = {r}", cfg.replace(data={"resolution": r}), own))
+        if r < res:  # with several sets: each at most r
+            smaller = [dataclasses.replace(s, resolution=min(s.resolution, r)) for s in cfg.data.sets]
+            text = f"data.resolution = {r}" + (" (every set at most)" if smaller else "")
+            tries.append((text, cfg.replace(data={"resolution": r, "sets": smaller}), own))
     for text, c, s in tries:
         peak = fits(c, s)
         if peak is not None:

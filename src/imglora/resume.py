@@ -3,6 +3,10 @@
 Everything that can refuse a run is checked before any model is loaded (GPU time costs): the
 newest readable checkpoint whose settings match (a damaged one is reported and skipped), the
 dataset's content, that a new run does not write into a folder holding an earlier one.
+
+The run's length (``train.max_steps``, ``train.epochs``) may change on ``--resume``: a finished run
+continues to the new length, an unfinished one stops at it. The schedule is then the new length's
+from the checkpoint on (``continue_schedule``).
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ if TYPE_CHECKING:
     from .config import Config
 
 
+# Keys that set how long a run is: an earlier run, finished or not, may continue to a new length.
+RUN_LENGTH = ("train.max_steps:", "train.epochs:")
+
+
 def refuse_existing_run(run_dir: Path, command: str) -> None:
     """A new run never writes over an earlier one's checkpoints, log or adapter."""
     ckpts = checkpoint.list_checkpoints(run_dir)
     if ckpts or (run_dir / "adapter").exists():
         newest = f" (newest checkpoint: update {ckpts[-1][0]})" if ckpts else ""
         raise ImgloraError(
-            f"{run_dir} already holds a run{newest}. Continue it with `{command} --resume`, or start a new one "
-            "under another name: --set run.name=<new name>")
+            f"{run_dir} already holds a run{newest}. Continue it with `{command} --resume` (a finished run too: "
+            "add --set train.max_steps=<more>), or start a new one under another name: --set run.name=<new name>")
 
 
 def check_dependencies(cfg: "Config") -> None:
@@ -57,7 +65,11 @@ def resume_point(run_dir: Path, cfg: "Config", families: Any) -> dict[str, Any]:
         except checkpoint.UNREADABLE as exc:  # a checkpoint damaged by a crash or a full disk
             broken.append(f"{path}: {exc}")
             continue
-        diffs = checkpoint.config_differences(state["config"], cfg, families)
+        diffs = [d for d in checkpoint.config_differences(state["config"], cfg, families)
+                 if not d.startswith(RUN_LENGTH)]
+        if cfg.train.max_steps and cfg.train.max_steps < step:
+            diffs.append(f"train.max_steps: {cfg.train.max_steps} now, but the checkpoint is at update {step}; to "
+                         "continue the run, raise it above that")
         if diffs:
             raise checkpoint.ResumeRefused(
                 f"--resume refused: {path} was trained with different settings that change the result:\n  "
@@ -82,11 +94,28 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
         out(f"warning: skipped a damaged checkpoint: {problem}")
     path = state["path"]
     check_same_data(state, data_version)
-    if state.get("total_updates") not in (None, total):
-        raise checkpoint.ResumeRefused(f"--resume refused: {path} belongs to a run of {state['total_updates']} "
-                                       f"updates, this one would have {total}")
+    before = state.get("total_updates")
+    if total < state["step"]:
+        raise checkpoint.ResumeRefused(f"--resume refused: {path} is at update {state['step']}, beyond the "
+                                       f"{total} updates this run would have; raise train.max_steps or train.epochs")
     lora.load_adapter_state(session.model, family.read_adapter(state["adapter_dir"]))
     session.optimizer.load_state_dict(state["optimizer_state"])
     session.scheduler.load_state_dict(state["scheduler"])
-    out(f"resuming from {path} (update {state['step']})")
+    if before not in (None, total):
+        continue_schedule(session.optimizer, session.scheduler)
+        out(f"resuming from {path} (update {state['step']}) with a new length: {before} -> {total} updates; the "
+            f"learning-rate schedule is the one of a {total}-update run from here on")
+    else:
+        out(f"resuming from {path} (update {state['step']})")
     return state["step"]
+
+
+def continue_schedule(optimizer: Any, scheduler: Any) -> None:
+    """After the run's length changed: the learning rate of the next update is the new schedule's
+    at this update (as kohya sd-scripts continues when max_train_steps is raised on resume), not the
+    one the optimizer saved under the old length. A constant schedule is unchanged, so a run
+    extended that way equals one planned that long from the start, bit for bit."""
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (the log's lr column)

@@ -85,7 +85,8 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         with rec.phase("load_model"):
             with stages("loading"):
                 trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
-            batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
+            batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate,
+                              reg_ratio=cfg.data.reg_ratio)
             total = loop.total_updates(cfg, batcher.per_epoch)
             with stages("quantizing"):
                 session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
@@ -99,7 +100,8 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         runlog.plotting()  # import matplotlib now: the end-of-run plot then costs the same as at projection time
         rec.set(setup_seconds=round(time.perf_counter() - t_setup, 3), model_dir=str(src.root),
                 model_source=src.to_record(), model_facts=trainable.facts,
-                dataset_version=data.version, dataset_items=len(data.samples), trainable_parameters=n_params,
+                dataset_version=data.version, dataset_items=len(data.samples), dataset_sets=data.sets or None,
+                trainable_parameters=n_params,
                 total_updates=total, resumed_from=start or None, memory=session.memory.facts,
                 memory_plan=memory_plan)
 

@@ -91,7 +91,7 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
         results.append(_run_worker(spec, out_dir / f"setting-{i}", timeout))
         out("    " + _one_line(results[-1]))
     report = {"preset": preset, "overrides": list(overrides), "family": cfg.model.family, "arch": arch,
-              "resolution": resolution or cfg.data.resolution, "rank": cfg.lora.rank,
+              "resolution": resolution or cfg.data.max_resolution, "rank": cfg.lora.rank,
               "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum, "steps": steps,
               "warmup": warmup, "vram_budget": vram_budget, "results": results,
               "environment": results[0].get("environment") if results else None}
@@ -269,7 +269,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["arch"] != "full":
             batches, data_source = _cached_or_synthetic(cfg, family, src, trainable, device)
         else:
-            batches = [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)]
+            batches = [family.synthetic_batch(trainable, cfg.data.max_resolution, cfg, device)]
         result["data"] = data_source
         result["setup_seconds"] = time.perf_counter() - t0
         stage = ""  # from here on the session says where an update is (forward, backward, optimizer)
@@ -313,7 +313,7 @@ def _cached_or_synthetic(cfg: Any, family: Any, src: "ModelSource", trainable: A
     complete = all(store.has("latents", s.key) for s in the_plan.latents) and \
         all(store.has("text", s.key) for s in the_plan.texts.values())
     if not complete:
-        return [family.synthetic_batch(trainable, cfg.data.resolution, cfg, device)], "synthetic"
+        return [family.synthetic_batch(trainable, cfg.data.max_resolution, cfg, device)], "synthetic"
     samples = cache.load_samples(cfg, family, src, device, the_plan)
     return _batches(samples, cfg, family, device), "cache"
 
@@ -322,7 +322,8 @@ def _batches(samples: list[Any], cfg: Any, family: Any, device: Any) -> list[dic
     """One epoch of training batches, built by the trainer's own batcher (same sizes and grouping)."""
     from ..data.batches import Batcher
 
-    batcher = Batcher(samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate)
+    batcher = Batcher(samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate,
+                      reg_ratio=cfg.data.reg_ratio)
     return [batcher.batch(i, device) for i in range(batcher.per_epoch)]
 
 

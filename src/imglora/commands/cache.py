@@ -8,8 +8,7 @@ from .. import devices, record
 from ..atomic import check_writable
 from ..config import Config
 from ..data import cache
-from ..data.dataset import dataset_version
-from ..data.scan import scan, split_holdout
+from ..data.scan import data_version, scan, split_holdout
 from ..errors import ImgloraError
 from ..family import CacheEncoder, supports
 from ..models import resolve_model
@@ -49,7 +48,7 @@ def cache_latents(cfg: Config, *, verify: bool, out: Callable[[str], None], warn
         f"{stats.seconds:.2f} s (cache in {cfg.cache.dir})")
     with rec.phase("checksums"):
         rec.set(model_dir=str(src.root), model_source=src.to_record(), model_checksums=src.checksums(),
-                dataset_version=dataset_version(split_holdout(cfg, scanned)[0].items),
+                dataset_version=data_version(cfg, split_holdout(cfg, scanned)[0].items),
                 dataset_items=len(scanned.items),
                 cache_identities=the_plan.identities,
                 cache_stats={k: v for k, v in vars(stats).items()})

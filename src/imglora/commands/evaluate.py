@@ -180,8 +180,9 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     with peaks.phase("cache"):  # held-out images are cached with the training images; usually all reused
         data = family.prepare_data(cfg, src, device)
     held = list(data.validation)
-    stride = max(1, math.ceil(len(data.samples) / MAX_TRAIN_LOSS_IMAGES))
-    train = list(data.samples)[::stride]
+    trained = [s for s in data.samples if not s.regularization]  # the subject's images, not the class's
+    stride = max(1, math.ceil(len(trained) / MAX_TRAIN_LOSS_IMAGES))
+    train = trained[::stride]
     prompts = _read_prompts(prompts_file) if prompts_file else list(cfg.eval.prompts) or family.default_prompts(cfg)
     out(f"eval: {len(targets)} checkpoint(s) {[s for s, _ in targets]}, {len(prompts)} prompt(s) x strengths "
         f"{', '.join(f'{s:g}' for s in strengths)}, seed {seed}; loss on {len(held)} held-out and "

@@ -2,14 +2,15 @@
 :mod:`.loader` for reading, checking and migrating them)."""
 
 from ..errors import ConfigError
-from .loader import FamilyCatalog, field_help, from_dict, load, moved_keys, parse_override_value
+from .loader import FamilyCatalog, from_dict, load, moved_keys, parse_override_value
 from .schema import (REQUIRED, SCHEMA_VERSION, SECTIONS, BudgetConfig, CacheConfig, Config, DataConfig, DType,
-                     EvalConfig, ExportConfig, LoraConfig, MemoryConfig, ModelConfig, RunConfig, TrainConfig,
-                     resume_safe_keys, setting)
+                     DataSetConfig, EvalConfig, ExportConfig, LoraConfig, MemoryConfig, ModelConfig, RunConfig,
+                     TrainConfig, field_help, resume_safe_keys, set_names, setting)
 from .toml_io import dumps_toml
 
 __all__ = [
     "REQUIRED", "SCHEMA_VERSION", "SECTIONS", "BudgetConfig", "CacheConfig", "Config", "ConfigError", "DType", "DataConfig",
+    "DataSetConfig", "set_names",
     "EvalConfig", "ExportConfig", "FamilyCatalog", "LoraConfig", "MemoryConfig", "ModelConfig", "RunConfig",
     "TrainConfig", "dumps_toml", "field_help", "from_dict", "load", "moved_keys", "parse_override_value",
     "resume_safe_keys", "setting",

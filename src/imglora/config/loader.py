@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import sys
 import typing
 from pathlib import Path
@@ -31,8 +32,8 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 from ..errors import ConfigError
-from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config
-from .toml_io import toml_value
+from .checks import cross_checks
+from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config, list_item_class
 
 Where = Callable[[str], str]
 
@@ -158,6 +159,9 @@ def parse_override_value(text: str) -> Any:
         return text
 
 
+_INDEXED = re.compile(r"(\w+)\[(\d+)\]\Z")
+
+
 def _apply_override(raw: dict[str, Any], item: str, problems: list[str], origin: dict[str, str]) -> None:
     key, sep, value = item.partition("=")
     key = key.strip()
@@ -167,7 +171,16 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str], origin:
     *tables, name = key.split(".")
     table = raw
     for depth, part in enumerate(tables):
-        table = table.setdefault(part, {})
+        indexed = _INDEXED.match(part)  # data.sets[1].repeats: the second [[data.sets]] table
+        table = table.setdefault(indexed[1] if indexed else part, [] if indexed else {})
+        if indexed:
+            i = int(indexed[2])
+            if not isinstance(table, list) or i >= len(table):
+                n = len(table) if isinstance(table, list) else 0
+                problems.append(f"--set {key}: there is no {part} (the preset has {n} [[{'.'.join(tables[:depth])}"
+                                f"{'.' if depth else ''}{indexed[1]}]] table{'s' if n != 1 else ''}; counted from 0)")
+                return
+            table = table[i]
         if not isinstance(table, dict):
             problems.append(f"--set {key}: {'.'.join(tables[:depth + 1])} is not a table")
             return
@@ -225,7 +238,7 @@ def _migrate(raw: dict[str, Any], where: str, problems: list[str], origin: dict[
 def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], default_name: str, source: str,
            families: FamilyCatalog) -> Config | None:
     def where(dotted: str) -> str:
-        src = origin.get(dotted) or next((v for k, v in origin.items() if k.startswith(dotted + ".")), source)
+        src = _origin_of(origin, dotted) or source
         return f"--set {dotted}" if src == "--set" else f"{src}: {dotted}"
 
     known = (*TOP_LEVEL, *families.names())
@@ -274,22 +287,48 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
         sections["lora"] = dataclasses.replace(sections["lora"], alpha=float(sections["lora"].rank))
     cfg = Config(version=raw.get("version", SCHEMA_VERSION), source=source, family=family_section,
                  notes=tuple(notes), **sections)
-    _cross_checks(cfg, where, problems)
+    cross_checks(cfg, where, problems)
     families.check(cfg, where, problems)
     return cfg
 
 
+_LAST_PART = re.compile(r"(\[\d+\]|\.[^.\[\]]*)$")  # ".key" or "[3]" at the end of a dotted key
+
+
+def _origin_of(origin: dict[str, str], dotted: str) -> str | None:
+    """Where a key was set: the key itself, a key under it (a section), or the nearest key above it
+    (for ``data.sets[1].dir``: where the list ``data.sets`` was set)."""
+    found = origin.get(dotted) or next((v for k, v in origin.items() if k.startswith(dotted + ".")), None)
+    key = dotted
+    while found is None and (parent := _LAST_PART.sub("", key)) != key:
+        key = parent
+        found = origin.get(key)
+    return found
+
+
 def _build_section(name: str, cls: type, table: dict[str, Any], where: Where, problems: list[str],
-                   families: FamilyCatalog) -> Any:
+                   families: FamilyCatalog, base: dict[str, Any] | None = None,
+                   outer: tuple[str, set[str]] | None = None) -> Any:
+    """The dataclass ``cls`` from ``table``; ``base`` holds checked values to start from (what an item
+    of a list of tables takes from the enclosing table), ``outer`` that table's name and keys."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(base or {})
     ok = True
+    lists: list[tuple[str, Any]] = []
     for key, value in table.items():
         dotted = f"{name}.{key}"
         if key not in hints:
             moved = moved_keys(families).get(dotted)
-            hint = f" (schema 2 moved it to {moved})" if moved else _did_you_mean(key, names)
+            other = getattr(cls, "other_names", {}).get(key)
+            if moved:
+                hint = f" (schema 2 moved it to {moved})"
+            elif outer is not None and key in outer[1]:
+                hint = f" (it applies to every set: set it in [{outer[0]}])"
+            elif other:
+                hint = f" (that is another trainer's name; imglora's is {other})"
+            else:
+                hint = _did_you_mean(key, names)
             problems.append(f"{where(dotted)}: unknown key{hint}")
             continue
         if dataclasses.is_dataclass(hints[key]):  # a sub-table such as [train.budget]
@@ -301,6 +340,9 @@ def _build_section(name: str, cls: type, table: dict[str, Any], where: Where, pr
             ok = ok and sub is not None
             values[key] = sub
             continue
+        if list_item_class(hints[key]) is not None:  # after the other keys: items may inherit them
+            lists.append((key, value))
+            continue
         f = next(f for f in dataclasses.fields(cls) if f.name == key)
         err, coerced = _check_value(value, hints[key], f.metadata)
         if err:
@@ -308,8 +350,21 @@ def _build_section(name: str, cls: type, table: dict[str, Any], where: Where, pr
             ok = False
         else:
             values[key] = coerced
+    for key, value in lists:  # a list of tables such as [[data.sets]]
+        item_cls = list_item_class(hints[key])
+        item_names = {f.name for f in dataclasses.fields(item_cls)}
+        inherit = next(f for f in dataclasses.fields(cls) if f.name == key).metadata.get("inherit")
+        given = {k: v for k, v in values.items() if k in item_names} if inherit else {}
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            problems.append(f"{where(f'{name}.{key}')}: expected tables ([[{name}.{key}]]), got {_describe(value)}")
+            ok = False
+            continue
+        items = [_build_section(f"{name}.{key}[{i}]", item_cls, v, where, problems, families, base=given,
+                                outer=(name, set(names) - item_names)) for i, v in enumerate(value)]
+        ok = ok and all(item is not None for item in items)
+        values[key] = items
     for f in dataclasses.fields(cls):
-        if f.default is REQUIRED and f.default_factory is REQUIRED and f.name not in table:
+        if f.default is REQUIRED and f.default_factory is REQUIRED and f.name not in table and f.name not in values:
             problems.append(f"{where(name)}.{f.name}: missing required key ({f.metadata['help']})")
             ok = False
     if not ok:
@@ -366,28 +421,6 @@ def _check_range(value: float, meta: typing.Mapping[str, Any]) -> str | None:
     return None
 
 
-def _cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
-    """Checks across fields that hold for every family; each family adds its own (``families.check``)."""
-    t, m, d = cfg.train, cfg.memory, cfg.data
-    if t.max_steps == 0 and t.epochs == 0:
-        problems.append(f"{where('train.max_steps')}: set train.max_steps or train.epochs to a positive number")
-    if m.fp8 and m.quantization != "none":
-        problems.append(f"{where('memory.fp8')}: memory.fp8 = true and memory.quantization = "
-                        f"\"{m.quantization}\" both quantize the frozen base; choose one (set memory.fp8 = false "
-                        "for 4-bit QLoRA, or memory.quantization = \"none\" for fp8)")
-    if d.min_bucket_side > d.max_bucket_side:
-        problems.append(f"{where('data.min_bucket_side')}: {d.min_bucket_side} is larger than "
-                        f"data.max_bucket_side = {d.max_bucket_side}")
-    if d.bucket_step > d.resolution:
-        problems.append(f"{where('data.bucket_step')}: {d.bucket_step} is larger than data.resolution = {d.resolution}")
-    if t.budget.max_cost and not t.budget.hourly_rate:
-        problems.append(f"{where('train.budget.max_cost')}: set train.budget.hourly_rate too, or the cost "
-                        "cannot be projected")
-    if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
-        problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
-                        f"train.max_steps = {t.max_steps}")
-
-
 def _did_you_mean(word: str, options: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f' (did you mean "{close[0]}"?)' if close else ""
@@ -397,33 +430,3 @@ def _describe(value: Any) -> str:
     kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "table"}
     kind = kinds.get(type(value), type(value).__name__)
     return f"the {kind} {json.dumps(value, default=str)}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Documenting
-
-
-def field_help(families: FamilyCatalog | None = None) -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every field, the families' own sections included."""
-    rows: list[tuple[str, str, str]] = []
-
-    def walk(prefix: str, cls: type) -> None:
-        for f in dataclasses.fields(cls):
-            tp = typing.get_type_hints(cls)[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(f"{prefix}.{f.name}", tp)
-                continue
-            if f.default is not REQUIRED:
-                default = toml_value(f.default)
-            elif f.default_factory is not REQUIRED:
-                default = toml_value(f.default_factory())
-            else:
-                default = "(required)"
-            rows.append((f"{prefix}.{f.name}", default, f.metadata["help"]))
-
-    for name, cls in SECTIONS.items():
-        walk(name, cls)
-    for name in families.names() if families else ():
-        if (cls := families.section(name)) is not None:
-            walk(name, cls)
-    return rows

@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from .toml_io import dumps_toml
 
@@ -27,10 +28,12 @@ REQUIRED = dataclasses.MISSING
 
 
 def setting(default: Any = REQUIRED, help: str = "", *, min: float | None = None, max: float | None = None,
-            min_exclusive: bool = False, resume_safe: bool = False, moved_from: str | None = None) -> Any:
-    """A config field: its default, help text, numeric range, resume safety and former key."""
+            min_exclusive: bool = False, resume_safe: bool = False, moved_from: str | None = None,
+            inherit: bool = False) -> Any:
+    """A config field: its default, help text, numeric range, resume safety and former key.
+    ``inherit`` (a list of tables): each table takes the keys it leaves out from the enclosing one."""
     meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive, "resume_safe": resume_safe,
-            "moved_from": moved_from}
+            "moved_from": moved_from, "inherit": inherit}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     if default is REQUIRED:
@@ -63,25 +66,114 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataSetConfig:
+    """One dataset: a folder of images and how its images and captions are read.
+
+    ``[data]`` is itself one set (the single-set shorthand every older preset uses); each
+    ``[[data.sets]]`` table is another, and takes every key it does not set from ``[data]``, as
+    kohya's subsets take theirs from ``[general]``. ``DataConfig`` extends these fields with the
+    run-wide ones (fields shared, no behaviour)."""
+
+    # Names users bring from kohya sd-scripts and ai-toolkit: an unknown key says imglora's name.
+    other_names: ClassVar[dict[str, str]] = {
+        "image_dir": "dir", "folder_path": "dir", "num_repeats": "repeats", "caption_extension": "caption_ext",
+        "class_tokens": "class_caption", "is_reg": "regularization", "flip_aug": "flip",
+        "random_crop": "crop (\"random\")", "caption_dropout_rate": "caption_dropout",
+        "shuffle_caption": "shuffle_tags", "shuffle_tokens": "shuffle_tags", "caption_tag_dropout_rate": "tag_dropout",
+        "token_dropout_rate": "tag_dropout", "conditioning_data_dir": "mask_dir", "mask_path": "mask_dir",
+    }
+
+    name: str = setting("", help="The set's name in messages and the run record; empty = its folder's name.",
+                        resume_safe=True)
     dir: str = setting("", help="Image folder with same-name .txt captions; N_name subfolders repeat N times.",
                        resume_safe=True)
-    resolution: int = setting(1024, help="Target side length; buckets keep the area close to resolution².",
+    repeats: int = setting(1, help="Repeats per epoch of the images directly in dir (kohya's num_repeats).", min=1,
+                           max=10000)
+    resolution: int = setting(1024, help="Target side length; buckets keep the area close to resolution². Sets "
+                                         "may differ (multi-resolution training, as ai-toolkit's).",
                               min=64, max=4096)
+    caption_ext: str = setting(".txt", help="Extension of caption files beside the images (kohya's "
+                                            "caption_extension).")
+    missing_caption: Literal["error", "default"] = setting(
+        "error", help="An image without a caption is an error, or gets default_caption.")
+    default_caption: str = setting("", help="Caption for images without one when missing_caption = \"default\".")
+    trigger_word: str = setting("", help="Prepended to every caption that does not already contain it (never in a "
+                                         "regularization set: its images show the class without the subject).")
+    crop: Literal["center", "random"] = setting("center", help="Crop to the bucket at the center or at a "
+                                                "seeded random offset (fixed per image, so it can be cached).")
+    flip: bool = setting(False, help="Also train on horizontally flipped images (both are cached).")
+    caption_dropout: float = setting(
+        0.0, help="Probability that a step trains an image on the empty caption (kohya's caption_dropout_rate), so "
+                  "the LoRA also acts without its prompt, as classifier-free guidance expects. The empty caption "
+                  "is one more cached text entry.", min=0.0, max=1.0)
+    shuffle_tags: bool = setting(False, help="Shuffle the comma-separated tags of each caption after the first "
+                                             "keep_tokens (kohya's shuffle_caption); each step draws one of "
+                                             "shuffle_variants cached permutations.")
+    keep_tokens: int = setting(0, help="Tags at the start of a caption that shuffle_tags and tag_dropout leave in "
+                                       "place (kohya's keep_tokens); the trigger word is the first tag.",
+                               min=0, max=1000)
+    tag_dropout: float = setting(0.0, help="Probability of leaving out each tag after keep_tokens (kohya's "
+                                           "caption_tag_dropout_rate), drawn into the cached variants.",
+                                 min=0.0, max=1.0)
+    shuffle_variants: int = setting(8, help="With shuffle_tags or tag_dropout: cached variants per caption, drawn "
+                                            "from a seeded generator; a step picks one, so no step runs a text "
+                                            "encoder. Each is one text entry in the cache and in memory.",
+                                    min=1, max=256)
+    regularization: bool = setting(False, help="A prior-preservation set (kohya's is_reg): its images are "
+                                               "interleaved with the training images (data.reg_ratio), their loss "
+                                               "weighted by data.prior_loss_weight; never held out or evaluated.")
+    class_caption: str = setting("", help="Regularization sets: the caption of images without a caption file "
+                                          "(kohya's class_tokens), e.g. \"a photo of a toy\".")
+    mask_dir: str = setting("", help="Folder of loss masks, one per image with the same file stem (png, jpg, "
+                                     "webp): white = train, black = ignore, grey = weight in between. Each is "
+                                     "resized and cropped with its image and cached with its latents; the loss "
+                                     "is weighted per latent pixel. Empty = no masks.", resume_safe=True)
+    alpha_mask: bool = setting(False, help="Use each image's alpha channel as its loss mask (transparent = ignore, "
+                                           "opaque = train), as kohya's alpha_mask.")
+
+
+@dataclass(frozen=True)
+class DataConfig(DataSetConfig):
     buckets: bool = setting(True, help="Aspect-ratio buckets; false crops every image to a square.")
     bucket_step: int = setting(0, help="Bucket sides are multiples of this; 0 = the family's.", min=0, max=512)
     min_bucket_side: int = setting(256, help="Smallest bucket side.", min=16, max=8192)
     max_bucket_side: int = setting(2048, help="Largest bucket side.", min=16, max=8192)
-    caption_ext: str = setting(".txt", help="Extension of caption files beside the images.")
-    missing_caption: Literal["error", "default"] = setting(
-        "error", help="An image without a caption is an error, or gets default_caption.")
-    default_caption: str = setting("", help="Caption for images without one when missing_caption = \"default\".")
-    trigger_word: str = setting("", help="Prepended to every caption that does not already contain it.")
-    crop: Literal["center", "random"] = setting("center", help="Crop to the bucket at the center or at a "
-                                                "seeded random offset (fixed per image, so it can be cached).")
-    flip: bool = setting(False, help="Also train on horizontally flipped images (both are cached).")
     skip_bad_images: bool = setting(False, help="Skip unreadable images with a warning instead of failing.")
-    repeats: int = setting(1, help="Repeats for images directly in data.dir.", min=1, max=10000)
+    prior_loss_weight: float = setting(1.0, help="Loss weight of regularization images (kohya's "
+                                                 "prior_loss_weight).", min=0.0, max=100.0)
+    reg_ratio: float = setting(1.0, help="Regularization images per training image in each epoch (repeats "
+                                         "counted): 1 = one each, as kohya interleaves them.", min=0.0, max=100.0,
+                               min_exclusive=True)
+    sets: list[DataSetConfig] = setting(
+        [], help="Several datasets in one run: [[data.sets]] tables, each taking the per-set keys (name, dir, "
+                 "repeats, resolution, caption_ext, ..., alpha_mask) and every one it leaves out from [data]. "
+                 "Empty = [data] is the one set.", inherit=True)
+
+    @property
+    def all_sets(self) -> tuple[DataSetConfig, ...]:
+        """The sets of the run: ``sets``, or ``[data]`` itself as the one set."""
+        if self.sets:
+            return tuple(self.sets)
+        return (DataSetConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSetConfig)}),)
+
+    @property
+    def max_resolution(self) -> int:
+        return max(s.resolution for s in self.all_sets)
+
+    def first_training_set(self) -> DataSetConfig:
+        return next((s for s in self.all_sets if not s.regularization), self.all_sets[0])
+
+
+def set_names(data: DataConfig) -> list[str]:
+    """Each set's name: its own, else its folder's; a repeated name gets " #2", " #3"."""
+    names: list[str] = []
+    for i, s in enumerate(data.all_sets):
+        base = s.name or Path(s.dir).name or f"set {i + 1}"
+        name, n = base, 2
+        while name in names:
+            name, n = f"{base} #{n}", n + 1
+        names.append(name)
+    return names
 
 
 @dataclass(frozen=True)
@@ -266,8 +358,18 @@ class Config:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
+def list_item_class(tp: Any) -> type | None:
+    """The dataclass of a ``list[SomeConfig]`` field (a list of tables), else None."""
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
 def resume_safe_keys(cfg: Config) -> set[str]:
-    """Dotted keys that may differ on ``--resume`` (fields marked ``resume_safe``)."""
+    """Dotted keys that may differ on ``--resume`` (fields marked ``resume_safe``); an item of a list
+    of tables is written ``data.sets[].dir``."""
     out: set[str] = set()
 
     def walk(prefix: str, cls: type) -> None:
@@ -275,6 +377,8 @@ def resume_safe_keys(cfg: Config) -> set[str]:
             if dataclasses.is_dataclass(f.type) or (isinstance(f.default_factory, type)
                                                     and dataclasses.is_dataclass(f.default_factory)):
                 walk(f"{prefix}{f.name}.", f.default_factory if f.default_factory is not REQUIRED else f.type)
+            elif (item := list_item_class(typing.get_type_hints(cls)[f.name])) is not None:
+                walk(f"{prefix}{f.name}[].", item)  # data.sets[].dir: any item's dir
             elif f.metadata.get("resume_safe"):
                 out.add(prefix + f.name)
 
@@ -283,3 +387,37 @@ def resume_safe_keys(cfg: Config) -> set[str]:
     if cfg.family is not None:
         walk(f"{cfg.model.family}.", type(cfg.family))
     return out
+
+
+def field_help(families: Any = None) -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every field, the families' own sections included (``families``:
+    the loader's family catalog). A key a list of tables also takes says so."""
+    from .toml_io import toml_value
+
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(prefix: str, cls: type) -> None:
+        hints = typing.get_type_hints(cls)
+        also: dict[str, str] = {}
+        for f in dataclasses.fields(cls):
+            if (item := list_item_class(hints[f.name])) is not None and f.metadata.get("inherit"):
+                also.update({g.name: f" Also per [[{prefix}.{f.name}]] table." for g in dataclasses.fields(item)})
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(f"{prefix}.{f.name}", tp)
+                continue
+            if f.default is not REQUIRED:
+                default = toml_value(f.default)
+            elif f.default_factory is not REQUIRED:
+                default = toml_value(f.default_factory())
+            else:
+                default = "(required)"
+            rows.append((f"{prefix}.{f.name}", default, f.metadata["help"] + also.get(f.name, "")))
+
+    for name, cls in SECTIONS.items():
+        walk(name, cls)
+    for name in families.names() if families else ():
+        if (cls := families.section(name)) is not None:
+            walk(name, cls)
+    return rows

@@ -18,13 +18,21 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
-def dumps_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """Write a mapping of scalars, lists and nested tables as TOML."""
-    head = [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+def _is_tables(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def dumps_toml(data: dict[str, Any], prefix: str = "", array: bool = False) -> str:
+    """Write a mapping of scalars, lists, nested tables and lists of tables (``[[a.b]]``) as TOML."""
+    head = [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and not _is_tables(v)]
     parts = []
-    if head:
-        parts.append("\n".join(([f"[{prefix}]"] if prefix else []) + head))
-    for name, table in data.items():
-        if isinstance(table, dict):
-            parts.append(dumps_toml(table, f"{prefix}.{name}" if prefix else name).rstrip("\n"))
+    if head or array:
+        title = f"[[{prefix}]]" if array else f"[{prefix}]"
+        parts.append("\n".join(([title] if prefix else []) + head))
+    for name, value in data.items():
+        inner = f"{prefix}.{name}" if prefix else name
+        if isinstance(value, dict):
+            parts.append(dumps_toml(value, inner).rstrip("\n"))
+        elif _is_tables(value):
+            parts += [dumps_toml(table, inner, array=True).rstrip("\n") for table in value]
     return "\n\n".join(parts) + "\n"

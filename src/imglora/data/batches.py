@@ -2,10 +2,19 @@
 
 Because of that, resuming needs no saved iterator: micro-batch number ``m`` of a run is always
 the same batch, whether the run was interrupted or not.
+
+An epoch holds every training sample ``repeats`` times (sets with different repeats and
+resolutions together; a batch is one bucket, whichever sets its images come from), plus
+regularization samples: ``reg_ratio`` per training sample, as kohya sd-scripts interleaves them
+(one each by default). Each bucket gets a fixed share of them, so every epoch has the same number
+of batches, and within a bucket they rotate through a seeded order, so over the epochs every
+regularization image is used evenly. Which cached variant (flip) and which caption variant (a
+shuffled one, or the empty caption of caption dropout) a batch takes is drawn from the same seeds.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -20,24 +29,44 @@ class BatchRef:
     epoch: int
     indices: tuple[int, ...]  # into the sample list
     variants: tuple[int, ...]  # which cached variant (e.g. flipped) of each sample
+    texts: tuple[int, ...] = ()  # which text variant of each sample; -1 = the empty caption (caption dropout)
+
+
+def reg_per_epoch(train_samples: int, reg_ratio: float) -> int:
+    """Regularization samples in an epoch of ``train_samples`` training samples (repeats counted)."""
+    return max(1, round(reg_ratio * train_samples))
 
 
 class Batcher:
     def __init__(self, samples: list[Sample], batch_size: int, seed: int,
-                 collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None):
+                 collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None,
+                 reg_ratio: float = 1.0):
         if not samples:
             raise ValueError("no training samples")
         self.samples = samples
         self.batch_size = batch_size
         self.seed = seed
         self.collate = collate or stack
+        self._reg_pool: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(samples):
+            if s.regularization:
+                self._reg_pool.setdefault(s.bucket, []).extend([i] * s.repeats)
+        if self._reg_pool:
+            n_train = sum(s.repeats for s in samples if not s.regularization)
+            if not n_train:
+                raise ValueError("only regularization samples")
+            self._reg_share = _shares(reg_per_epoch(n_train, reg_ratio),
+                                      {b: len(p) for b, p in self._reg_pool.items()})
         self.per_epoch = len(self._epoch(0))
 
     def _epoch(self, epoch: int) -> list[BatchRef]:
         rng = random.Random(f"{self.seed}/{epoch}")
         by_bucket: dict[tuple[int, int], list[int]] = {}
         for i, s in enumerate(self.samples):
-            by_bucket.setdefault(s.bucket, []).extend([i] * s.repeats)
+            if not s.regularization:
+                by_bucket.setdefault(s.bucket, []).extend([i] * s.repeats)
+        for bucket, chosen in self._regularization(epoch).items():
+            by_bucket.setdefault(bucket, []).extend(chosen)
         batches = []
         for bucket in sorted(by_bucket):
             idx = by_bucket[bucket]
@@ -46,7 +75,38 @@ class Batcher:
         rng.shuffle(batches)
         refs = [BatchRef(epoch, tuple(b), tuple(rng.randrange(len(self.samples[i].variants)) for i in b))
                 for b in batches]
-        return refs
+        return self._captions(refs, epoch)
+
+    def _regularization(self, epoch: int) -> dict[tuple[int, int], list[int]]:
+        """This epoch's regularization samples per bucket: the next ``share`` of an endless stream
+        that goes through the bucket's pool in a fresh seeded order each round."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for bucket, pool in self._reg_pool.items():
+            share = self._reg_share[bucket]
+            orders: dict[int, list[int]] = {}
+            chosen = []
+            for pos in range(epoch * share, (epoch + 1) * share):
+                round_, at = divmod(pos, len(pool))
+                if round_ not in orders:
+                    orders[round_] = list(pool)
+                    random.Random(f"{self.seed}/reg/{bucket}/{round_}").shuffle(orders[round_])
+                chosen.append(orders[round_][at])
+            out[bucket] = chosen
+        return out
+
+    def _captions(self, refs: list[BatchRef], epoch: int) -> list[BatchRef]:
+        """Each sample's text variant; a generator of its own, so runs without caption options draw
+        exactly what they drew before these options existed."""
+        rng = random.Random(f"{self.seed}/{epoch}/captions")
+        out = []
+        for ref in refs:
+            texts = []
+            for i in ref.indices:
+                s = self.samples[i]
+                dropped = s.caption_dropout > 0 and rng.random() < s.caption_dropout
+                texts.append(-1 if dropped else rng.randrange(len(s.texts)) if len(s.texts) > 1 else 0)
+            out.append(BatchRef(ref.epoch, ref.indices, ref.variants, tuple(texts)))
+        return out
 
     def ref(self, micro_index: int) -> BatchRef:
         """The batch for the ``micro_index``-th micro-batch of the run (0-based)."""
@@ -57,13 +117,33 @@ class Batcher:
 
     def batch(self, micro_index: int, device: torch.device) -> dict[str, torch.Tensor]:
         ref = self.ref(micro_index)
-        entries = [self.samples[i].variants[v] for i, v in zip(ref.indices, ref.variants)]
+        entries = [self.samples[i].entry(v, t) for i, v, t in zip(ref.indices, ref.variants, ref.texts)]
         batch = self.collate(entries)
         if device.type == "cuda":  # only a copy from page-locked memory is truly asynchronous
             batch = {k: t.pin_memory() for k, t in batch.items()}
         return {k: t.to(device, non_blocking=True) for k, t in batch.items()}
 
 
+def _shares(total: int, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """``total`` split over the buckets in proportion to ``sizes`` (largest remainders, ties to the
+    smaller bucket key): the same split in every epoch."""
+    whole = sum(sizes.values())
+    exact = {b: total * n / whole for b, n in sizes.items()}
+    out = {b: math.floor(x) for b, x in exact.items()}
+    for b in sorted(exact, key=lambda b: (out[b] - exact[b], b))[:total - sum(out.values())]:
+        out[b] += 1
+    return out
+
+
+# Per-sample tensors that only some samples carry; the others get the neutral value.
+_NEUTRAL: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
+    "loss_mask": lambda e: torch.ones((1, *e["latents"].shape[-2:])),  # train every latent pixel
+    "loss_weight": lambda e: torch.ones(()),
+}
+
+
 def stack(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Batch same-shaped entries (one bucket) by stacking each tensor."""
-    return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+    """Batch same-shaped entries (one bucket) by stacking each tensor; a loss mask or weight that
+    only some entries carry is filled in for the others (ones: every pixel, full weight)."""
+    keys = list(entries[0]) + [k for k in _NEUTRAL if k not in entries[0] and any(k in e for e in entries)]
+    return {k: torch.stack([e[k] if k in e else _NEUTRAL[k](e) for e in entries]) for k in keys}

@@ -89,6 +89,7 @@ class FitResult:
     crop_top_left: tuple[int, int]
     target_size: tuple[int, int]
     resized_size: tuple[int, int]
+    mask: Image.Image | None = None  # the loss mask, resized and cropped as the image ("L", bucket size)
 
     def flipped(self) -> FitResult:
         """The same fit mirrored left-right, with the crop's left edge mirrored to match.
@@ -98,18 +99,24 @@ class FitResult:
         """
         top, left = self.crop_top_left
         mirrored_left = self.resized_size[1] - left - self.target_size[1]
-        return replace(self, image=flip(self.image), crop_top_left=(top, mirrored_left))
+        return replace(self, image=flip(self.image), crop_top_left=(top, mirrored_left),
+                       mask=None if self.mask is None else flip(self.mask))
 
 
 def fit_to_bucket(
-    img: Image.Image, bucket: tuple[int, int], crop: str = "center", seed: int = 0
+    img: Image.Image, bucket: tuple[int, int], crop: str = "center", seed: int = 0,
+    mask: Image.Image | None = None,
 ) -> FitResult:
     """Resize ``img`` to cover the ``(width, height)`` bucket, keeping its aspect, then crop.
 
     ``crop="center"`` crops equally from both sides; ``crop="random"`` draws the offset from
     ``random.Random(seed)``, so the same seed always gives the same crop (a latent cache keyed
-    on the seed stays valid).
+    on the seed stays valid). A ``mask`` of the image's size goes through the same resize (an area
+    average: each pixel's weight is the mean of the weights it covers, with no Lanczos ringing) and
+    crop.
     """
+    if mask is not None and mask.size != img.size:
+        raise ValueError(f"the mask is {mask.size[0]}x{mask.size[1]}, its image {img.size[0]}x{img.size[1]}")
     if crop not in CROP_MODES:
         raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
     if img.mode != "RGB":
@@ -129,13 +136,18 @@ def fit_to_bucket(
     else:
         rng = random.Random(seed)
         top, left = rng.randint(0, spare_h), rng.randint(0, spare_w)
-    image = img.crop((left, top, left + bucket_w, top + bucket_h))
+    box = (left, top, left + bucket_w, top + bucket_h)
+    if mask is not None:
+        if mask.size != (resized_w, resized_h):
+            mask = mask.resize((resized_w, resized_h), Image.Resampling.BOX)
+        mask = mask.crop(box)
     return FitResult(
-        image=image,
+        image=img.crop(box),
         original_size=(height, width),
         crop_top_left=(top, left),
         target_size=(bucket_h, bucket_w),
         resized_size=(resized_h, resized_w),
+        mask=mask,
     )
 
 

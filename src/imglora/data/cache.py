@@ -2,8 +2,12 @@
 
 Each entry is one safetensors file named by the sha256 of everything that determines its content:
 - latents: the image's bytes, its bucket, the crop (mode and, for random crops, the seed that
-  fixes the offset), the flip, the VAE's identity (checksum of its weights and config) and dtype;
-- text: the exact caption, the text encoders' and tokenizers' identity, the token length, dtype.
+  fixes the offset), the flip, its loss mask (the mask file's bytes, or the alpha channel's use),
+  the VAE's identity (checksum of its weights and config) and dtype; the mask, resized and
+  cropped with the image, is stored in the entry beside the latents;
+- text: the exact text, the text encoders' and tokenizers' identity, the token length, dtype. Each
+  text variant a run may train on is an entry of its own: a caption's shuffled / tag-dropped
+  variants and the empty caption of caption dropout (``captions``).
 Change any of these and the key changes, so a stale entry can never be found, let alone used.
 Entries carry their own key and a checksum of their tensors in the header; an entry that is
 corrupt, or that is another valid entry copied or renamed into its place, is detected on read
@@ -18,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +33,11 @@ from ..hashing import sha256_file
 from ..progress import Progress
 from .buckets import fit_to_bucket
 from .dataset import DatasetItem, ScanResult
-from .images import open_image
+from .captions import EMPTY, TextChoice, choice_for
+from .images import image_alpha, open_image, open_mask
+from .masks import latent_mask
 from .samples import PreparedData, Sample
-from .scan import scan, split_holdout, scan_result
+from .scan import data_version, scan, scan_result, set_records, split_holdout
 from .store import Cache, CorruptEntry
 
 if TYPE_CHECKING:
@@ -47,18 +54,20 @@ CACHE_FORMAT = 2  # bump when the meaning of an entry changes; old entries are t
 
 @dataclass(frozen=True)
 class LatentSpec:
-    """One latent entry: an image fitted to its bucket, maybe flipped."""
+    """One latent entry: an image fitted to its bucket, maybe flipped, with its loss mask if any."""
 
     item: DatasetItem
     image_sha256: str
     flip: bool
     crop_seed: int
     key: str
+    crop: str = "center"
+    alpha_mask: bool = False  # the mask is the image's alpha channel (item.mask: a mask file)
 
 
 @dataclass(frozen=True)
 class TextSpec:
-    caption: str
+    caption: str  # the text encoded: a caption, one of its variants, or "" (caption dropout)
     key: str
 
 
@@ -66,10 +75,11 @@ class TextSpec:
 class CachePlan:
     scan: ScanResult
     latents: list[LatentSpec]
-    texts: dict[str, TextSpec]  # caption -> spec
+    texts: dict[str, TextSpec]  # text -> spec
     encoder_dtype: str
     text_max_length: int
     identities: dict[str, str] = field(default_factory=dict)
+    choices: dict[DatasetItem, TextChoice] = field(default_factory=dict)  # what each image's caption trains as
 
 
 @dataclass
@@ -93,11 +103,12 @@ def _key(fields: dict[str, Any]) -> str:
 def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan":
     """The part of a plan that covers some of its images (their latents and captions)."""
     keep = set(items)
-    captions = {i.caption for i in items}
+    choices = {i: c for i, c in the_plan.choices.items() if i in keep}
+    texts = {t for c in choices.values() for t in c.texts()}
     return CachePlan(scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
                      [s for s in the_plan.latents if s.item in keep],
-                     {c: s for c, s in the_plan.texts.items() if c in captions},
-                     the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities))
+                     {c: s for c, s in the_plan.texts.items() if c in texts},
+                     the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities), choices)
 
 
 def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -108,24 +119,30 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     max_len = cfg.cache.text_max_length or family.text_max_length
     vae_id = record.identity(family.vae_folders(src))
     text_id = record.identity(family.text_folders(src))
+    sets = cfg.data.all_sets
     latents = []
     for item in scanned.items:
+        s = sets[item.set_index]
         sha = sha256_file(item.path)
         # A random crop is fixed per image by a seed derived from the run seed and the image, so
         # it is reproducible and part of the key; a center crop does not depend on the seed.
-        crop_seed = int(sha[:8], 16) ^ cfg.train.seed if cfg.data.crop == "random" else 0
-        for flip in ((False, True) if cfg.data.flip else (False,)):
+        crop_seed = int(sha[:8], 16) ^ cfg.train.seed if s.crop == "random" else 0
+        # Only present when there is a mask, so entries without one keep the keys they had.
+        mask = {"mask": sha256_file(item.mask)} if item.mask else {"mask": "alpha"} if s.alpha_mask else {}
+        for flip in ((False, True) if s.flip else (False,)):
             key = _key({"kind": "latents", "family": family.name, "image": sha, "bucket": list(item.bucket),
-                        "crop": cfg.data.crop, "crop_seed": crop_seed, "flip": flip, "vae": vae_id,
-                        "dtype": enc_dtype})
-            latents.append(LatentSpec(item, sha, flip, crop_seed, key))
+                        "crop": s.crop, "crop_seed": crop_seed, "flip": flip, "vae": vae_id,
+                        "dtype": enc_dtype, **mask})
+            latents.append(LatentSpec(item, sha, flip, crop_seed, key, s.crop, s.alpha_mask))
+    held = set(split_holdout(cfg, scanned)[1].items)
+    choices = {item: choice_for(item, sets[item.set_index], held_out=item in held) for item in scanned.items}
     texts = {}
-    for item in scanned.items:
-        if item.caption not in texts:
-            key = _key({"kind": "text", "family": family.name, "caption": item.caption, "encoders": text_id,
-                        "max_length": max_len, "dtype": enc_dtype})
-            texts[item.caption] = TextSpec(item.caption, key)
-    return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id})
+    for text in dict.fromkeys(t for c in choices.values() for t in c.texts()):
+        key = _key({"kind": "text", "family": family.name, "caption": text, "encoders": text_id,
+                    "max_length": max_len, "dtype": enc_dtype})
+        texts[text] = TextSpec(text, key)
+    return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id},
+                     choices)
 
 
 def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -137,9 +154,9 @@ def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "tor
     stats = FillStats()
     # Existence is enough here: entries are renamed into place only when complete. Readers verify
     # the checksum (training on load, `--verify` on demand) and drop a corrupt entry.
-    todo_lat = [s for s in the_plan.latents if not cache.has("latents", s.key)]
+    todo_lat = list({s.key: s for s in the_plan.latents if not cache.has("latents", s.key)}.values())
     todo_txt = [s for s in the_plan.texts.values() if not cache.has("text", s.key)]
-    stats.latents_reused = len(the_plan.latents) - len(todo_lat)
+    stats.latents_reused = len({s.key for s in the_plan.latents}) - len(todo_lat)
     stats.texts_reused = len(the_plan.texts) - len(todo_txt)
 
     if todo_lat:
@@ -150,7 +167,7 @@ def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "tor
         stats.loaded_vae = True
         with Progress(len(todo_lat), "encoding latents", enabled=progress) as bar:
             for spec in todo_lat:
-                cache.put("latents", spec.key, _finite(encode_latent(family, vae, spec, cfg.data.crop),
+                cache.put("latents", spec.key, _finite(encode_latent(family, vae, spec),
                                                        str(spec.item.path), the_plan.encoder_dtype))
                 stats.latents_encoded += 1
                 bar.update()
@@ -189,28 +206,36 @@ def _finite(tensors: dict[str, "torch.Tensor"], what: str, dtype: str) -> dict[s
     return tensors
 
 
-def encode_latent(family: "Family", vae: Any, spec: LatentSpec, crop: str) -> dict[str, "torch.Tensor"]:
+def encode_latent(family: "Family", vae: Any, spec: LatentSpec) -> dict[str, "torch.Tensor"]:
     import numpy as np
     import torch
 
-    fit = fit_to_bucket(open_image(spec.item.path), spec.item.bucket, crop=crop, seed=spec.crop_seed)
+    path = spec.item.path
+    mask = open_mask(spec.item.mask) if spec.item.mask else image_alpha(path) if spec.alpha_mask else None
+    fit = fit_to_bucket(open_image(path), spec.item.bucket, crop=spec.crop, seed=spec.crop_seed, mask=mask)
     if spec.flip:
         fit = fit.flipped()
     pixels = torch.from_numpy(np.asarray(fit.image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
     out = family.encode_image(vae, pixels)
+    if fit.mask is not None:  # weights per latent pixel, stored with the latents they weight
+        out["loss_mask"] = latent_mask(fit.mask, tuple(out["latents"].shape[-2:]))
     # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
     out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
     return out
 
 
+def _data_dirs(cfg: "Config") -> str:
+    return "|".join(dict.fromkeys(str(Path(s.dir).resolve()) for s in cfg.data.all_sets))
+
+
 def manifest_path(cfg: "Config") -> Path:
-    ident = hashlib.sha256(f"{Path(cfg.data.dir).resolve()}|{cfg.model.family}|{cfg.model.path}".encode())
+    ident = hashlib.sha256(f"{_data_dirs(cfg)}|{cfg.model.family}|{cfg.model.path}".encode())
     return Path(cfg.cache.dir) / "manifests" / f"{ident.hexdigest()[:16]}.json"
 
 
 def write_manifest(cfg: "Config", the_plan: CachePlan) -> None:
     atomic.write_json(manifest_path(cfg), {
-        "format": CACHE_FORMAT, "data_dir": str(Path(cfg.data.dir).resolve()), "model": cfg.model.path,
+        "format": CACHE_FORMAT, "data_dir": _data_dirs(cfg), "model": cfg.model.path,
         "identities": the_plan.identities, "encoder_dtype": the_plan.encoder_dtype,
         "text_max_length": the_plan.text_max_length,
         "latents": [{"image": str(s.item.path), "image_sha256": s.image_sha256, "bucket": list(s.item.bucket),
@@ -259,15 +284,14 @@ def verify(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.d
 def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
                  the_plan: CachePlan, stats: FillStats | None = None) -> list[Sample]:
     """Read every entry of the plan into memory; a corrupt entry is dropped and re-encoded once
-    (counted in ``stats`` when given)."""
+    (counted in ``stats`` when given). A text entry is read once and shared by every image using it."""
     cache = Cache(cfg.cache.dir)
     for attempt in (1, 2):
         try:
             texts = {c: cache.get("text", s.key) for c, s in the_plan.texts.items()}
-            by_item: dict[Path, list[dict[str, "torch.Tensor"]]] = {}
+            by_item: dict[DatasetItem, list[dict[str, "torch.Tensor"]]] = {}
             for spec in the_plan.latents:
-                entry = {**cache.get("latents", spec.key), **texts[spec.item.caption]}
-                by_item.setdefault(spec.item.path, []).append(entry)
+                by_item.setdefault(spec.item, []).append(cache.get("latents", spec.key))
             break
         except CorruptEntry as exc:
             if attempt == 2:
@@ -286,8 +310,23 @@ def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "t
                 stats.latents_reused -= refill.latents_encoded
                 stats.texts_encoded += refill.texts_encoded
                 stats.texts_reused -= refill.texts_encoded
-    items = {s.item.path: s.item for s in the_plan.latents}
-    return [Sample(items[p].bucket, items[p].repeats, tuple(v)) for p, v in by_item.items()]
+    return [_sample(cfg, item, entries, the_plan.choices[item], texts) for item, entries in by_item.items()]
+
+
+def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Tensor"]], choice: TextChoice,
+            texts: dict[str, dict[str, "torch.Tensor"]]) -> Sample:
+    import torch
+
+    reg = cfg.data.all_sets[item.set_index].regularization
+    if reg and cfg.data.prior_loss_weight != 1.0:  # only then: batches without it stay as they were
+        weight = torch.tensor(cfg.data.prior_loss_weight, dtype=torch.float32)
+        entries = [{**e, "loss_weight": weight} for e in entries]
+    if len(choice.variants) == 1 and not choice.dropout:  # one text: each variant holds it, as always
+        return Sample(item.bucket, item.repeats, tuple({**e, **texts[choice.variants[0]]} for e in entries),
+                      regularization=reg)
+    return Sample(item.bucket, item.repeats, tuple(entries), texts=tuple(texts[t] for t in choice.variants),
+                  caption_dropout=choice.dropout, empty_text=texts[EMPTY] if choice.dropout else None,
+                  regularization=reg)
 
 
 def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
@@ -296,14 +335,15 @@ def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
     encoder counted the tokens), so it is said on every run, not only the one that encoded them."""
     cache = Cache(cfg.cache.dir)
     images: dict[str, list[str]] = {}
-    for item in the_plan.scan.items:
-        images.setdefault(item.caption, []).append(item.path.name)
+    for item, choice in the_plan.choices.items():
+        for text in choice.variants:
+            images.setdefault(text, []).append(item.path.name)
     long: list[str] = []
     for caption, spec in the_plan.texts.items():
         tokens = cache.info("text", spec.key).get("tokens", {})
         over = [f"{name} {n} of {limit}" for name, (n, limit) in sorted(tokens.items()) if n > limit]
         if over:
-            long.append(f"{', '.join(images.get(caption, ['?'])[:2])} ({'; '.join(over)} tokens)")
+            long.append(f"{', '.join(dict.fromkeys(images.get(caption, ['?'])[:2]))} ({'; '.join(over)} tokens)")
     if not long:
         return None
     return (f"{len(long)} caption(s) are longer than the text encoder reads and are cut off (the rest is not "
@@ -311,20 +351,53 @@ def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
             "cache.text_max_length where the encoder allows it")
 
 
+def mask_warning(cfg: "Config", samples: list[Sample], items: list[DatasetItem]) -> str | None:
+    """Masks that keep nothing inside the image's crop: that image then trains on nothing."""
+    empty = [item.path.name for item, s in zip(items, samples)
+             if any("loss_mask" in v and not bool(v["loss_mask"].any()) for v in s.variants)]
+    if not empty:
+        return None
+    return (f"{len(empty)} image(s) have a mask that is black wherever their bucket's crop keeps the image, so they "
+            f"train on nothing: {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}; move the white part "
+            "into the middle of the image or crop the image yourself")
+
+
 def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> PreparedData:
     """Fill the cache for whatever is missing (encoders loaded only then, and freed), load it."""
-    from .dataset import dataset_version
-
     the_plan, stats = fill_cache(cfg, family, src, device)  # held-out images too: one encoder load
     train_scan, held_scan = split_holdout(cfg, the_plan.scan)
-    samples = load_samples(cfg, family, src, device, subplan(the_plan, train_scan.items), stats)
+    train_plan = subplan(the_plan, train_scan.items)
+    samples = load_samples(cfg, family, src, device, train_plan, stats)
     held = (load_samples(cfg, family, src, device, subplan(the_plan, held_scan.items), stats)
             if held_scan.items else [])
     warnings = list(the_plan.scan.warnings)
-    overflow = overflow_warning(cfg, the_plan)
-    if overflow:
-        warnings.append(overflow)
-    return PreparedData(samples, dataset_version(train_scan.items), tuple(warnings),
-                        f"{len(samples)} images" + (f" (+{len(held)} held out)" if held else "")
-                        + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
-                        f"{stats.latents_reused + stats.texts_reused} reused", validation=held)
+    for warning in (overflow_warning(cfg, the_plan),
+                    mask_warning(cfg, samples, list(dict.fromkeys(s.item for s in train_plan.latents)))):
+        if warning:
+            warnings.append(warning)
+    sets = set_records(cfg, train_scan.items)
+    store = Cache(cfg.cache.dir)  # the entries' files: their tensors and a small header
+    text_bytes = sum(store.path("text", s.key).stat().st_size for s in train_plan.texts.values())
+    if text_bytes > TEXT_MEMORY_WARN * _host_memory():
+        warnings.append(f"the {len(train_plan.texts)} cached text entries take {text_bytes / 2**30:.1f} GiB of host "
+                        "memory; lower shuffle_variants, or cache.text_max_length where the captions are short")
+    several = len(sets) > 1
+    per_set = "; ".join(f"{r['name']}: {r['images']} images, {r['samples_per_epoch']} per epoch"
+                        + (" (regularization)" if r["regularization"] else "") for r in sets) if several else ""
+    summary = (f"{len(samples)} images" + (f" in {len(sets)} sets ({per_set})" if several else "")
+               + (f" (+{len(held)} held out)" if held else "")
+               + f", {len(train_plan.texts)} text entries ({text_bytes / 2**20:.1f} MiB in memory)"
+               + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
+               f"{stats.latents_reused + stats.texts_reused} reused")
+    return PreparedData(samples, data_version(cfg, train_scan.items), tuple(warnings), summary, validation=held,
+                        sets=sets)
+
+
+TEXT_MEMORY_WARN = 0.25  # share of the machine's memory the text entries may take before a warning
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: never warn
+        return 2**62

@@ -41,6 +41,8 @@ class DatasetItem:
     repeats: int
     size: tuple[int, int]  # (width, height), after EXIF orientation
     bucket: tuple[int, int]  # (width, height)
+    set_index: int = 0  # which of data.all_sets it belongs to
+    mask: Path | None = None  # its loss mask image (data.sets[].mask_dir), if any
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ def scan_dataset(
     default_repeats: int = 1,
     skip_bad_images: bool = False,
     verify_images: bool = True,
+    warn_uncaptioned: bool = True,
+    dir_key: str = "data.dir",
 ) -> ScanResult:
     """Find, check and caption every image under ``root``; raise one ``DataError`` listing all
     problems, so a user fixes the dataset in one pass rather than one error per run.
@@ -82,7 +86,7 @@ def scan_dataset(
     root = Path(root)
     trigger_word = trigger_word.strip()
     warnings: list[str] = []
-    images = _find_images(root, default_repeats, warnings)
+    images = _find_images(root, default_repeats, warnings, dir_key)
     buckets = (
         make_buckets(resolution, step, min_side, max_side)
         if use_buckets
@@ -114,7 +118,7 @@ def scan_dataset(
     if not items:
         # Only reachable with skip_bad_images: the skip warnings say why each image went.
         raise DataError([*warnings, f"{root}: no usable images left after skipping bad ones"])
-    if uncaptioned:
+    if uncaptioned and warn_uncaptioned:
         warnings.append(_uncaptioned_warning(uncaptioned, trigger_word))
     warnings += geometry_warnings(items) + shared_caption_warnings(items, caption_ext)
     counts = Counter(item.bucket for item in items)
@@ -166,8 +170,8 @@ def shared_caption_warnings(items: Iterable[DatasetItem], caption_ext: str) -> l
 
 
 def dataset_version(items: Iterable[DatasetItem]) -> str:
-    """Hex SHA-256 identifying the dataset's content: any image byte, caption or repeat count
-    changing changes it.
+    """Hex SHA-256 identifying the dataset's content: any image byte, caption, repeat count or loss
+    mask changing changes it.
 
     Paths are taken relative to the items' common folder, so moving the whole dataset (to
     another disk, another machine) keeps the version and any cache keyed on it.
@@ -183,19 +187,26 @@ def dataset_version(items: Iterable[DatasetItem]) -> str:
         except OSError as exc:
             problems.append(f"{item.path}: cannot read it any more ({exc.strerror}); scan again")
             continue
-        records.append([item.path.relative_to(base).as_posix(), digest, item.caption, item.repeats])
+        record = [item.path.relative_to(base).as_posix(), digest, item.caption, item.repeats]
+        if item.mask is not None:  # only then: the version of a dataset without masks stays as it was
+            try:
+                record.append(sha256_file(item.mask))
+            except OSError as exc:
+                problems.append(f"{item.mask}: cannot read it any more ({exc.strerror}); scan again")
+        records.append(record)
     if problems:
         raise DataError(problems)
     canonical = json.dumps(sorted(records), ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def _find_images(root: Path, default_repeats: int, warnings: list[str]) -> list[tuple[Path, int]]:
+def _find_images(root: Path, default_repeats: int, warnings: list[str],
+                 dir_key: str = "data.dir") -> list[tuple[Path, int]]:
     """``(path, repeats)`` for every image in ``root`` and its ``N_name`` folders, sorted."""
     if not root.exists():
-        raise DataError([f"{root}: the dataset folder does not exist; check data.dir"])
+        raise DataError([f"{root}: the dataset folder does not exist; check {dir_key}"])
     if not root.is_dir():
-        raise DataError([f"{root}: not a folder; data.dir must name a folder of images"])
+        raise DataError([f"{root}: not a folder; {dir_key} must name a folder of images"])
     root_images, folders = _list_folder(root, warnings)
     found = [(path, default_repeats) for path in root_images]
     for folder in folders:

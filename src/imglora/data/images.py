@@ -75,6 +75,36 @@ def open_image(path: str | os.PathLike) -> Image.Image:
     return rgb
 
 
+def open_mask(path: str | os.PathLike) -> Image.Image:
+    """A loss mask: greyscale ("L", 0 = ignore .. 255 = train), upright as ``open_image`` turns its image.
+    A colour mask is read by its brightness; one with transparency, transparent = ignore."""
+    path = Path(path)
+    with _reading(path), Image.open(path) as im:
+        orientation = _orientation(im)
+        im.load()
+        if im.mode in _WIDE_MODES:
+            grey = _wide_to_rgb(im).convert("L")
+        elif im.mode in _ALPHA_MODES or "transparency" in im.info:
+            rgba = im.convert("RGBA")
+            black = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
+            grey = Image.alpha_composite(black, rgba).convert("L")
+        else:
+            grey = im.convert("L")
+    return grey.transpose(_TRANSPOSE[orientation]) if orientation in _TRANSPOSE else grey
+
+
+def image_alpha(path: str | os.PathLike) -> Image.Image | None:
+    """The image's alpha channel ("L", 0 = transparent), upright, or None when it has no transparency."""
+    path = Path(path)
+    with _reading(path), Image.open(path) as im:
+        orientation = _orientation(im)
+        if not (im.mode in _ALPHA_MODES or "transparency" in im.info):
+            return None
+        im.load()
+        alpha = im.convert("RGBA").getchannel("A")
+    return alpha.transpose(_TRANSPOSE[orientation]) if orientation in _TRANSPOSE else alpha
+
+
 def image_size(path: str | os.PathLike, *, verify: bool = False) -> tuple[int, int]:
     """``(width, height)`` of ``path`` as ``open_image`` would return it, from the header only.
 

@@ -4,7 +4,7 @@ data's version, warnings and summary. Shared by every family."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -12,11 +12,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Sample:
-    """One training image as the loop sees it: cached tensors for each variant (flip) and its bucket."""
+    """One training image as the loop sees it: cached tensors for each variant (flip) and its bucket.
+
+    ``texts``, when given, are its caption's cached text variants (``data.captions``): a batch takes
+    one variant's tensors and one text's, or ``empty_text`` with probability ``caption_dropout``.
+    Without ``texts`` each variant already holds everything (an image trained on one caption, the
+    chat family's samples).
+    ``regularization`` samples are interleaved by the batcher rather than repeated."""
 
     bucket: tuple[int, int]
     repeats: int
     variants: tuple[dict[str, "torch.Tensor"], ...]
+    texts: tuple[dict[str, "torch.Tensor"], ...] = ()
+    caption_dropout: float = 0.0
+    empty_text: dict[str, "torch.Tensor"] | None = None
+    regularization: bool = False
+
+    def entry(self, variant: int = 0, text: int = 0) -> dict[str, "torch.Tensor"]:
+        """The tensors of one variant with one of its texts (-1: the empty caption)."""
+        if not self.texts:
+            return self.variants[variant]
+        return {**self.variants[variant], **(self.empty_text if text < 0 else self.texts[text])}
 
 
 @dataclass
@@ -28,3 +44,4 @@ class PreparedData:
     warnings: tuple[str, ...]
     summary: str  # one line for the user
     validation: list[Sample] = field(default_factory=list)  # held out; loss only, never trained on
+    sets: list[dict[str, Any]] = field(default_factory=list)  # per data set: images, repeats, version (the record)

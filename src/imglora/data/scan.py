@@ -1,41 +1,128 @@
-"""Which images a run uses: ``data.dir``'s scan plus ``eval.holdout_dir``, split into the images
-trained on and the held-out ones (a pure function of the file names)."""
+"""Which images a run uses: each data set's scan (``data.all_sets``) plus ``eval.holdout_dir``, split
+into the images trained on and the held-out ones (a pure function of the file names), and the
+data's content version."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ..config import set_names
 from ..errors import ConfigError, DataError, ImgloraError
-from .dataset import DatasetItem, ScanResult, scan_dataset
+from .batches import reg_per_epoch
+from .captions import keep_tokens_warning
+from .dataset import DatasetItem, ScanResult, _first, dataset_version, scan_dataset
+from .masks import attach_masks, check_alpha
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config import Config, DataSetConfig
     from ..family import CacheEncoder as Family
 
 
 def scan(cfg: "Config", family: "Family") -> ScanResult:
-    """Every image the run uses: data.dir's, then eval.holdout_dir's (held out; see split_holdout)."""
+    """Every image the run uses: each set's, then eval.holdout_dir's (held out; see split_holdout).
+    Every problem of every set is reported at once, each naming its set when there are several."""
     d = cfg.data
     _check_geometry(cfg, family)
-
-    def one(root: str, repeats: int) -> ScanResult:
-        return scan_dataset(
-            Path(root), resolution=d.resolution, step=d.bucket_step or family.bucket_step,
-            min_side=d.min_bucket_side, max_side=d.max_bucket_side, use_buckets=d.buckets,
-            caption_ext=d.caption_ext, missing_caption=d.missing_caption, default_caption=d.default_caption,
-            trigger_word=d.trigger_word, default_repeats=repeats, skip_bad_images=d.skip_bad_images,
-        )
-
-    scanned = one(d.dir, d.repeats)
+    sets, names = d.all_sets, set_names(d)
+    items: list[DatasetItem] = []
+    warnings: list[str] = []
+    problems: list[str] = []
+    for index, s in enumerate(sets):
+        label = f"set {names[index]!r}: " if len(sets) > 1 else ""
+        try:
+            found = _scan_set(cfg, family, s, index)
+        except DataError as exc:
+            problems += [label + p for p in exc.problems]
+            continue
+        items += found.items
+        warnings += [label + w for w in found.warnings]
+    if problems:
+        raise DataError(problems)
     if not cfg.eval.holdout_dir:
-        return scanned
+        return scan_result(tuple(items), tuple(warnings))
     held_root = Path(cfg.eval.holdout_dir).resolve()
-    if held_root == Path(d.dir).resolve() or Path(d.dir).resolve() in held_root.parents:
-        raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside data.dir = {d.dir!r}; "
-                           "move the held-out images to a folder of their own, next to data.dir")
-    extra = one(cfg.eval.holdout_dir, 1)
-    return scan_result(scanned.items + extra.items, scanned.warnings + extra.warnings)
+    for i, s in enumerate(sets):
+        if held_root == Path(s.dir).resolve() or Path(s.dir).resolve() in held_root.parents:
+            key = f"data.sets[{i}].dir" if d.sets else "data.dir"
+            raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside {key} = {s.dir!r}; "
+                               f"move the held-out images to a folder of their own, next to {key}")
+    first = next(i for i, s in enumerate(sets) if not s.regularization)  # scored as this set's images
+    extra = _scan(cfg, family, replace(sets[first], dir=cfg.eval.holdout_dir, repeats=1, mask_dir="",
+                                       alpha_mask=False))
+    held = tuple(replace(i, set_index=first) for i in extra.items)
+    return scan_result(tuple(items) + held, tuple(warnings) + extra.warnings)
+
+
+def _scan(cfg: "Config", family: "Family", s: "DataSetConfig", **kw: Any) -> ScanResult:
+    d = cfg.data
+    return scan_dataset(
+        Path(s.dir), resolution=s.resolution, step=d.bucket_step or family.bucket_step,
+        min_side=d.min_bucket_side, max_side=d.max_bucket_side, use_buckets=d.buckets,
+        caption_ext=s.caption_ext, missing_caption=s.missing_caption, default_caption=s.default_caption,
+        trigger_word=s.trigger_word, default_repeats=s.repeats, skip_bad_images=d.skip_bad_images, **kw)
+
+
+def _scan_set(cfg: "Config", family: "Family", s: "DataSetConfig", index: int) -> ScanResult:
+    """One set: its images and captions, then its masks; a regularization set's images take its
+    class caption where they have none, and never the trigger word (they show the class without
+    the subject)."""
+    key = (lambda k: f"data.sets[{index}].{k}") if cfg.data.sets else (lambda k: f"data.{k}")
+    if s.regularization:
+        s = replace(s, missing_caption="default", default_caption=s.class_caption, trigger_word="")
+    found = _scan(cfg, family, s, warn_uncaptioned=not s.regularization, dir_key=key("dir"))
+    items = [replace(i, set_index=index) for i in found.items]
+    problems: list[str] = []
+    warnings = list(found.warnings)
+    if s.regularization and not s.class_caption:
+        bare = [i.path.name for i in items if not i.caption]
+        if bare:
+            problems.append(f"{s.dir}: {len(bare)} regularization image(s) have no caption and the set has no class "
+                            f"caption: {_first(bare)}; set {key('class_caption')} (kohya's class_tokens: the class "
+                            "prompt these images answer, e.g. \"a photo of a toy\"), or write their captions")
+    if s.mask_dir:
+        items = attach_masks(items, Path(s.dir), Path(s.mask_dir), key("mask_dir"), problems, warnings)
+    if s.alpha_mask:
+        check_alpha(items, problems, warnings)
+    if problems:
+        raise DataError(problems)
+    note = keep_tokens_warning(items, s)
+    return ScanResult(tuple(items), tuple(warnings + ([note] if note else [])), found.bucket_counts)
+
+
+def data_version(cfg: "Config", items: tuple[DatasetItem, ...]) -> str:
+    """The training data's content version: the set's ``dataset_version`` for the one set (as before
+    sets existed), else a hash over each set's name, role and version."""
+    if not cfg.data.sets:
+        return dataset_version(items)
+    # Not the folders: a moved dataset keeps its version (as dataset_version does for one set).
+    rows = [[r["name"], r["regularization"], r["version"]] for r in set_records(cfg, items)]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def set_records(cfg: "Config", items: tuple[DatasetItem, ...]) -> list[dict[str, Any]]:
+    """What the run record says about each set: its images, repeats, samples per epoch (for a
+    regularization set its share of ``reg_per_epoch``, as the batcher interleaves them), masks and
+    content version."""
+    sets, names = cfg.data.all_sets, set_names(cfg.data)
+    pools = [sum(i.repeats for i in items if i.set_index == k) for k in range(len(sets))]
+    n_train = sum(n for n, s in zip(pools, sets) if not s.regularization)
+    n_reg = sum(n for n, s in zip(pools, sets) if s.regularization)
+    reg_total = reg_per_epoch(n_train, cfg.data.reg_ratio) if n_reg else 0
+    out = []
+    for index, s in enumerate(sets):
+        mine = [i for i in items if i.set_index == index]
+        out.append({"name": names[index], "dir": s.dir, "regularization": s.regularization,
+                    "resolution": s.resolution, "images": len(mine), "repeats": s.repeats,
+                    "samples_per_epoch": round(reg_total * pools[index] / n_reg) if s.regularization else
+                    pools[index],
+                    "masks": sum(i.mask is not None for i in mine) if s.mask_dir else
+                    (len(mine) if s.alpha_mask else 0),
+                    "version": dataset_version(mine) if mine else None})
+    return out
 
 
 def scan_result(items: tuple[DatasetItem, ...], warnings: tuple[str, ...]) -> ScanResult:
@@ -53,13 +140,16 @@ def split_holdout(cfg: "Config", scanned: ScanResult) -> tuple[ScanResult, ScanR
     held_root = Path(cfg.eval.holdout_dir) if cfg.eval.holdout_dir else None
     extra = tuple(i for i in scanned.items if held_root is not None and i.path.is_relative_to(held_root))
     outside = frozenset(extra)
-    own = tuple(i for i in scanned.items if i not in outside)
+    sets = cfg.data.all_sets
+    own = tuple(i for i in scanned.items if i not in outside and not sets[i.set_index].regularization)
     n = cfg.eval.holdout
     if n and n >= len(own):
-        raise DataError([f"eval.holdout = {n} would hold out all {len(own)} images of {cfg.data.dir}, leaving "
+        where = cfg.data.dir if not cfg.data.sets else "the training sets"
+        raise DataError([f"eval.holdout = {n} would hold out all {len(own)} images of {where}, leaving "
                          "none to train on; lower it or use eval.holdout_dir"])
-    train, held = own[:len(own) - n], own[len(own) - n:] + extra
-    return scan_result(train, scanned.warnings), scan_result(held, ())
+    held = frozenset(own[len(own) - n:]) if n else frozenset()
+    train = tuple(i for i in scanned.items if i not in outside and i not in held)
+    return scan_result(train, scanned.warnings), scan_result(own[len(own) - n:] + extra if n else extra, ())
 
 
 def _check_geometry(cfg: "Config", family: "Family") -> None:
@@ -69,9 +159,11 @@ def _check_geometry(cfg: "Config", family: "Family") -> None:
     if d.bucket_step and d.bucket_step % step:
         problems.append(f"{cfg.source}: data.bucket_step = {d.bucket_step} must be a multiple of {step} for the "
                         f"{family.name} family")
-    if not d.buckets and d.resolution % (d.bucket_step or step):
-        problems.append(f"{cfg.source}: data.resolution = {d.resolution} must be a multiple of "
-                        f"{d.bucket_step or step} with data.buckets = false")
+    for i, s in enumerate(d.all_sets):
+        if not d.buckets and s.resolution % (d.bucket_step or step):
+            key = f"data.sets[{i}].resolution" if d.sets else "data.resolution"
+            problems.append(f"{cfg.source}: {key} = {s.resolution} must be a multiple of "
+                            f"{d.bucket_step or step} with data.buckets = false")
     if problems:
         raise ConfigError(problems, cfg.source)
 

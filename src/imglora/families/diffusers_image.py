@@ -58,10 +58,9 @@ def prepare_data(family: Any, cfg: "Config", src: "ModelSource", device: torch.d
 
 def data_version(family: Any, cfg: "Config") -> str:
     """The training images' content version, from a scan (no encoder, no model)."""
-    from ..data.dataset import dataset_version
-    from ..data.scan import scan, split_holdout
+    from ..data.scan import data_version as version, scan, split_holdout
 
-    return dataset_version(split_holdout(cfg, scan(cfg, family))[0].items)
+    return version(cfg, split_holdout(cfg, scan(cfg, family))[0].items)
 
 
 def collate(family: Any, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -71,9 +70,11 @@ def collate(family: Any, entries: list[dict[str, torch.Tensor]]) -> dict[str, to
 
 
 def check_config(family: Any, cfg: "Config", where: Callable[[str], str], problems: list[str]) -> None:
-    if not cfg.data.dir:
-        problems.append(f"{where('data.dir')}: missing required key for the {family.name} family (the folder of "
-                        "training images)")
+    for i, s in enumerate(cfg.data.all_sets):
+        if not s.dir:
+            key = f"data.sets[{i}].dir" if cfg.data.sets else "data.dir"
+            problems.append(f"{where(key)}: missing required key for the {family.name} family (the folder of "
+                            "training images)")
     if cfg.export.format not in family.export_formats:
         problems.append(f"{where('export.format')}: {cfg.export.format!r} is not a {family.name} export form; "
                         f"choose one of {', '.join(family.export_formats)}")
@@ -119,8 +120,10 @@ def default_prompts(family: Any, cfg: "Config", n: int = 2) -> list[str]:
     from ..data.scan import scan, split_holdout
 
     train, held = split_holdout(cfg, scan(cfg, family))
-    captions = list(dict.fromkeys(i.caption for i in (*held.items, *train.items)))
-    trigger = cfg.data.trigger_word.strip() or _shared_first_tag([i.caption for i in train.items])
+    sets = cfg.data.all_sets
+    train_items = [i for i in train.items if not sets[i.set_index].regularization]
+    captions = list(dict.fromkeys(i.caption for i in (*held.items, *train_items)))
+    trigger = cfg.data.first_training_set().trigger_word.strip() or _shared_first_tag([i.caption for i in train_items])
     prompts: list[str] = []
     for caption in captions[:n]:
         prompts.append(caption)
@@ -152,9 +155,10 @@ def encode_prompts(family: Any, src: "ModelSource", prompts: list[str], cfg: "Co
 
 
 def sample_size(cfg: "Config", family: Any) -> int:
-    """The square side of evaluation images: data.resolution, a multiple of the family's bucket step."""
+    """The square side of evaluation images: the (first) training set's resolution, a multiple of the
+    family's bucket step."""
     step = family.bucket_step
-    return max(step, cfg.data.resolution // step * step)
+    return max(step, cfg.data.first_training_set().resolution // step * step)
 
 
 def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, cfg: "Config", device: torch.device,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ... import weighting
 from ...tiny import random_init
 from . import singlefile, stream, swap
 
@@ -146,12 +147,15 @@ class FluxTrainable:
             img_ids=image_ids(h, w, device).to(dtype),
             return_dict=False,
         )[0]
-        per_item = (pred.float() - (noise - x0).float()).pow(2).mean(dim=(1, 2))
+        mask = batch.get("loss_mask")
+        if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
+            mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
+        per_item = weighting.per_item_mse(pred, noise - x0, mask)
         if self.settings.loss_weighting == "sigma_sqrt":
             per_item = per_item * sigma.pow(-2.0)
         elif self.settings.loss_weighting == "cosmap":
             per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
-        return per_item.mean()
+        return weighting.batch_loss(per_item, batch)
 
 
 def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "FluxTrainable":

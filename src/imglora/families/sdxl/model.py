@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ... import weighting
 from ...errors import ImgloraError
 from ...tiny import random_init
 from . import singlefile
@@ -136,13 +137,13 @@ class SdxlTrainable:
             added_cond_kwargs={"text_embeds": batch["pooled_prompt_embeds"].to(dtype),
                                "time_ids": batch["time_ids"].to(dtype)},
         ).sample
-        per_item = (pred.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
+        per_item = weighting.per_item_mse(pred, target, batch.get("loss_mask"))
         if self.min_snr_gamma:
             snr = abar.view(n) / (1 - abar.view(n))
             clipped = torch.clamp(snr, max=self.min_snr_gamma)
             # Min-SNR-γ (Hang et al. 2023): ε-prediction weight min(snr, γ)/snr; v-prediction min(snr, γ)/(snr+1).
             per_item = per_item * (clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1))
-        return per_item.mean()
+        return weighting.batch_loss(per_item, batch)
 
 
 def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTrainable":
