@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     captions = [int(x) for x in args.captions.split(",")]
     gib = 2**30
-    print(f"| model | text encoders (params, bf16) | one cached entry | "
+    print("| model | text encoders (params, bf16) | one cached entry | "
           + " | ".join(f"{n} captions x {args.k} variants" for n in captions) + " |")
     print("|---|---|---|" + "---|" * len(captions))
     for r in real_models():
