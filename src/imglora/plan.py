@@ -273,7 +273,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         saved = prof.saved - offloaded
         dev = "device" if cuda else "host"
         terms = [
-            Term("weights_resident_blocks", f"blocks kept on the device ({'fp8' if quantized else _dt(prof.dtype)})",
+            Term("weights_resident_blocks", "blocks kept on the device",
                  resident, dev),
             Term("swap_slots", f"swap slots ({slots_per_shape} per block shape)", slots, dev),
             Term("weights_non_block", "weights outside the blocks", non_block, dev),
