@@ -76,9 +76,10 @@ def small_run(tmp_path: Path, sample_dataset: Path):
 
 
 @pytest.fixture(autouse=True)
-def _work_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test runs in its own folder: preset defaults such as cache.dir = ".imglora/cache" (where
-    a quantized base is kept) then land there, never in the repository. The tiny presets' relative
-    data.dir (sample_datasets/...) still resolves, through a link."""
-    (tmp_path / "sample_datasets").symlink_to(REPO / "sample_datasets", target_is_directory=True)
-    monkeypatch.chdir(tmp_path)
+def _work_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in a folder of its own (not its tmp_path, which tests list): preset defaults
+    such as cache.dir = ".imglora/cache" (where a quantized base is kept) land there, never in the
+    repository. The tiny presets' relative data.dir (sample_datasets/...) resolves through a link."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    (cwd / "sample_datasets").symlink_to(REPO / "sample_datasets", target_is_directory=True)
+    monkeypatch.chdir(cwd)

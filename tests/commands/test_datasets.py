@@ -200,6 +200,7 @@ def test_flux_trains_the_sets_and_weights_its_packed_loss_by_the_mask(every_opti
 def _prediction_grad(trainable, batch, prediction) -> torch.Tensor:
     """d loss / d the model's prediction, for one forward of the family's own loss."""
     held: list[torch.Tensor] = []
+    trainable.model.requires_grad_(True)  # loaded frozen (a base model); the prediction needs a graph here
 
     def hook(module, args, output):
         pred = prediction(output)
