@@ -80,7 +80,7 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
         base = held_bytes(session.model, session.optimizer, list(batch.values()), buffers, loss_sum)
         t = time.perf_counter()
         with LiveBytes() as meter:
-            loop.step(session, [batch], torch.Generator().manual_seed(i), loss_sum)
+            loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(i)), loss_sum)
         step_seconds.append(time.perf_counter() - t)
         peak = max(peak, base + meter.peak)
     return {"setting": setting.name, "predicted": predicted.device_peak, "measured": peak,

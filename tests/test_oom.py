@@ -98,13 +98,13 @@ def test_out_of_memory_names_its_stage_and_the_fix(stage, kind, fix, ckpt, small
     assert not (cfg.run_dir / "adapter").exists()
 
 
-def test_the_cli_exits_3_with_the_message_alone(small_run, monkeypatch) -> None:
+def test_the_cli_exits_5_with_the_message_alone(small_run, monkeypatch) -> None:
     from imglora.families import sdxl
 
     monkeypatch.setattr(sdxl.SdxlFamily, "load_trainable", gpu_oom)
     args = ["train", str(PRESET)] + [x for o in small_run() + ["train.max_steps=2", "train.warmup_steps=1"] for x in ("--set", o)]
     r = CliRunner().invoke(main, args)
-    assert r.exit_code == 3, r.output
+    assert r.exit_code == 5, r.output
     assert "out of GPU memory during loading" in r.output and "Traceback" not in r.output
 
 

@@ -93,15 +93,27 @@ def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> 
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint of the run folder.")
-def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool) -> None:
+@click.option("--gpus", type=click.IntRange(min=1), default=None,
+              help="Train data-parallel on this many GPUs of this machine (starts `accelerate launch`; without "
+                   "CUDA, that many CPU processes). Same as launching `-m imglora train` with accelerate yourself.")
+def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool, gpus: int | None) -> None:
     """Train a LoRA adapter: cache, train, checkpoint, write the adapter and run record."""
     import shlex
+    import subprocess
 
+    from . import distributed
     from .commands.train import train
     from .progress import stamped
 
-    cfg = _load(preset, overrides)
+    cfg = _load(preset, overrides)  # checked once here, before any process starts
+    if gpus and gpus > 1 and distributed.launched_processes() == 1:
+        argv = ["train", preset, *[x for o in overrides for x in ("--set", o)], *(["--resume"] if resume else [])]
+        cmd = distributed.launch_command(gpus, argv)
+        click.echo(f"starting {gpus} processes: {distributed.describe(cmd)}")
+        sys.exit(subprocess.run(cmd, check=False).returncode)
     command = shlex.join(["imglora", "train", preset, *[x for o in overrides for x in ("--set", o)]])
+    if distributed.launched_processes() > 1:  # how to start it again: with as many processes
+        command += f" --gpus {distributed.launched_processes()}"
     result = train(cfg, resume=resume, command=command, out=stamped(click.echo))
     # Interrupted runs exit as a shell reports a process killed by that signal (128 + number), so a
     # scheduler sees "interrupted, resumable" rather than success; the checkpoint is written first.
@@ -177,13 +189,15 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="The machine the run is for: cuda (bf16 autocast) or cpu (fp32).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the plan as JSON here.")
-def plan_cmd(preset, overrides, blocks, resolution, vram, host_ram, bench_file, device, json_out):
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel processes: device memory is per GPU; host RAM counts every process's pinned blocks.")
+def plan_cmd(preset, overrides, blocks, resolution, vram, host_ram, bench_file, device, json_out, gpus):
     """Predict, before anything is loaded, the peak GPU memory and host RAM of training PRESET for
     each swap count and precision, term by term, from the architecture built on the meta device."""
     from .commands import plan
 
     plan.run(preset, overrides, blocks=blocks, resolution=resolution, vram=vram, host_ram=host_ram,
-             bench_file=bench_file, device=device, json_out=json_out, out=click.echo)
+             bench_file=bench_file, device=device, json_out=json_out, out=click.echo, gpus=gpus)
 
 
 class _Number(click.ParamType):
@@ -245,15 +259,17 @@ NON_NEGATIVE_INT = _Number(0, integer=True)
               help="Compare machines: hourly rate and, when measured there, seconds per update (repeatable). "
                    "Without SEC_PER_UPDATE the offer assumes the speed this estimate uses, measured on the device "
                    "it names; that is refused when it was measured on a CPU.")
+@click.option("--gpus", type=click.IntRange(min=1), help="Data-parallel processes (GPUs) to count GPU-hours for "
+                                                         "(default: the run's).")
 def estimate_cmd(run_dir, bench_file, setting, steps, epochs, dataset_size, batch_size, accum, sec_per_update,
                  sec_per_micro_batch, its, its_unit, setup, cache_s, checkpoint_every, sec_per_checkpoint,
-                 eval_seconds, idle_minutes, rate, currency, storage, transfer, offers) -> None:
+                 eval_seconds, idle_minutes, rate, currency, storage, transfer, offers, gpus) -> None:
     """Session time and cost from measured phases: where the time goes, and what it costs per offer."""
     from .commands.estimate import estimate
 
     estimate(run_dir, bench_file, setting, steps, epochs, dataset_size, batch_size, accum, sec_per_update,
              sec_per_micro_batch, its, its_unit, setup, cache_s, checkpoint_every, sec_per_checkpoint, eval_seconds,
-             idle_minutes, rate, currency, storage, transfer, offers)
+             idle_minutes, rate, currency, storage, transfer, offers, gpus=gpus)
 
 
 def _register_split_commands() -> None:

@@ -129,6 +129,7 @@ class Measured:
     source: str = ""
     device: str | None = None       # where seconds_per_update was measured: "cpu" or "cuda"
     device_name: str | None = None  # e.g. "NVIDIA H100 80GB HBM3"
+    processes: int = 1  # data-parallel processes (GPUs) the speed was measured with
 
 
 def from_run(run_dir: Path) -> Measured:
@@ -159,6 +160,7 @@ def from_run(run_dir: Path) -> Measured:
         dataset_size=r.get("dataset_items"), batch_size=cfg["batch_size"], grad_accum=cfg["grad_accum"],
         source=f"run {run_dir}",
         device=r.get("environment", {}).get("device"), device_name=r.get("environment", {}).get("device_name"),
+        processes=r.get("processes") or 1,
     )
     started, finished = r.get("started"), r.get("finished")
     if started and finished:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from . import devices, lora
+from . import devices, distributed, lora
 from .errors import ImgloraError
 from .memory.wrap import MemorySetup, apply_memory
 
@@ -48,10 +48,21 @@ class Session:
 
 
 def accelerator_for(cfg: "Config") -> Any:
-    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU)."""
-    from accelerate import Accelerator
+    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU).
 
-    return Accelerator(mixed_precision=devices.mixed_precision(cfg, devices.default_device()))
+    Launched as several processes (``accelerate launch``, ``imglora train --gpus N``) it joins their
+    process group -- gloo between CPU processes, which needs ``cpu=True`` -- with
+    ``train.process_timeout`` as the collectives' timeout: a process that died makes the others
+    fail after that long instead of waiting forever."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    device = devices.default_device()
+    kwargs = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.process_timeout))]
+    return Accelerator(mixed_precision=devices.mixed_precision(cfg, device), cpu=device.type == "cpu",
+                       kwargs_handlers=kwargs)
 
 
 def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device,
@@ -76,32 +87,53 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
     params = lora.trainable_parameters(trainable.model)
     optimizer = make_optimizer(cfg, params)
     scheduler = make_scheduler(cfg, optimizer, total) if total is not None else None
-    # The swap engine places the model's tensors itself; accelerate must not move them again.
-    trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
-                                                     device_placement=[memory.swapper is None, True])
+    if accelerator.num_processes > 1:
+        # Not wrapped in DDP: the processes sum their LoRA gradients in ``step`` (see distributed),
+        # and the model keeps its own attributes (apply_memory already placed it).
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        # The swap engine places the model's tensors itself; accelerate must not move them again.
+        trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
+                                                         device_placement=[memory.swapper is None, True])
     return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
                    cfg.train.max_grad_norm)
 
 
-def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, torch.Tensor],
-                 generator: torch.Generator, autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
-    """The family's loss on one micro-batch (block swapping's prefetch started first)."""
+def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, torch.Tensor], generator: Any,
+                 autocast: Callable[[], Any] = contextlib.nullcontext) -> torch.Tensor:
+    """The family's loss on one micro-batch (block swapping's prefetch started first). ``generator``:
+    one ``imglora.rng.SampleRNG`` (a generator per sample), or a ``torch.Generator``."""
     memory.before_forward()
     with autocast():
         return trainable.loss(batch, generator)
 
 
-def step(s: Session, micro_batches: Iterable[dict[str, torch.Tensor]], generator: torch.Generator,
-         loss_sum: torch.Tensor) -> None:
-    """One optimizer update over ``micro_batches`` (gradient accumulation); adds the update's loss to
-    ``loss_sum``, a device tensor, so nothing waits for the device here."""
-    for batch in micro_batches:
+@dataclass
+class Micro:
+    """One micro-batch of an update, as this process sees it."""
+
+    batch: dict[str, torch.Tensor] | None  # None: this process has no sample of this micro-batch
+    rng: Any  # its samples' random draws (imglora.rng.SampleRNG) or a torch.Generator
+    scale: float = 1.0  # this process's share of the micro-batch's loss (1 with one process)
+
+
+def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
+    """One optimizer update over ``micros`` (gradient accumulation); adds the update's loss to
+    ``loss_sum``, a device tensor, so nothing waits for the device here. With several processes the
+    gradients are summed over them before the optimizer step (each loss carries its share)."""
+    for m in micros:
+        if m.batch is None:
+            continue
         s.stage = "forward"
-        loss = forward_loss(s.trainable, s.memory, batch, generator, s.accelerator.autocast) / s.accum
+        loss = forward_loss(s.trainable, s.memory, m.batch, m.rng, s.accelerator.autocast) / s.accum
+        if m.scale != 1.0:
+            loss = loss * m.scale
         s.stage = "backward"
         s.accelerator.backward(loss)
         loss_sum += loss.detach()
     s.stage = "optimizer"
+    if s.accelerator.num_processes > 1:
+        distributed.sum_gradients(s.params)
     if s.max_grad_norm:
         s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm)
     s.optimizer.step()
@@ -110,18 +142,24 @@ def step(s: Session, micro_batches: Iterable[dict[str, torch.Tensor]], generator
     s.optimizer.zero_grad(set_to_none=True)
 
 
+def simple_micros(batches: Iterable[dict[str, torch.Tensor]], generator: Any) -> list[Micro]:
+    """Micro-batches for one process with one random stream (benchmarks and tests)."""
+    return [Micro(b, generator) for b in batches]
+
+
 @torch.no_grad()
 def validation_loss(trainable: "Trainable", memory: MemorySetup, samples: list[Any], collate: Callable,
                     device: torch.device, seed: int, autocast: Callable[[], Any] = contextlib.nullcontext) -> float:
     """Mean loss over held-out samples with fixed noise per sample: comparable across updates and runs."""
+    from .rng import SampleRNG
+
     model = trainable.model
     was_training = model.training
     model.eval()  # no dropout
     total = 0.0
     for i, sample in enumerate(samples):
-        batch = {k: v.to(device) for k, v in collate([sample.entry()]).items()}
-        gen = torch.Generator(device=device).manual_seed(seed + 7919 * i)
-        total += float(forward_loss(trainable, memory, batch, gen, autocast))
+        batch = {k: v.to(device) for k, v in collate([sample.variants[0]]).items()}
+        total += float(forward_loss(trainable, memory, batch, SampleRNG([seed + 7919 * i], device), autocast))
     model.train(was_training)
     return total / len(samples)
 

@@ -77,7 +77,7 @@ ADVICE: dict[str, tuple[str, str, str]] = {
 
 
 class OutOfMemory(ImgloraError):
-    exit_code = 3
+    exit_code = 5  # (3 is the budget guard's stop)
 
     def __init__(self, message: str, stage: str, kind: str):
         super().__init__(message)
@@ -135,7 +135,8 @@ def guard(stages: Stages, rec: Any, device: torch.device, memory_plan: Callable[
         err = report(exc, kind, stage, memory_plan(), measured, last_checkpoint())
         rec.set(failure={"kind": "out_of_memory", "memory": kind, "stage": stage, "error": str(exc)[:2000],
                          "message": str(err), "peak_memory": measured})
-        rec.write(status="out_of_memory")
+        if getattr(rec, "main", True):
+            rec.write(status="out_of_memory")
         raise err from None
 
 

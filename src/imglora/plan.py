@@ -204,7 +204,7 @@ def optimizer_bytes(cfg: "Config", params: list[tuple[str, int, tuple[int, ...]]
 def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_kind: str,
             src: "ModelSource | None", resolution: int | None = None, vram: int | None = None,
             host_ram: int | None = None, bench: dict[str, Any] | None = None,
-            process_rss: int = 0, profiles: dict[Any, Profile] | None = None) -> Plan:
+            process_rss: int = 0, profiles: dict[Any, Profile] | None = None, processes: int = 1) -> Plan:
     """The plan for each of ``settings`` on a ``device_kind`` ("cuda" or "cpu") machine."""
     from . import devices
     from .family import supports
@@ -300,12 +300,17 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             setup_note = ("the transformer read block by block (one block in its load dtype at a time)" if streams
                           else "the model read whole in its load dtype before it is quantized and placed")
             setup = load_block + swapped if streams else frozen_bytes(model, set())
-            terms += [Term("host_swapped", "swapped blocks in pinned host memory", swapped, "host"),
-                      Term("host_checkpoints", "checkpoint boundaries in pinned host memory", offloaded, "host"),
-                      Term("host_setup", f"set-up peak on top: {setup_note}", max(0, setup - swapped), "host"),
-                      Term("host_process", "this process (Python, torch, libraries; measured now)", process_rss,
-                           "host")]
-            host_peak = process_rss + max(setup, swapped + offloaded)
+            per = f" (x {processes} processes)" if processes > 1 else ""
+            terms += [Term("host_swapped", f"swapped blocks in pinned host memory{per}", swapped * processes, "host"),
+                      Term("host_checkpoints", f"checkpoint boundaries in pinned host memory{per}",
+                           offloaded * processes, "host"),
+                      Term("host_setup", f"set-up peak on top: {setup_note}{per}",
+                           max(0, setup - swapped - offloaded) * processes, "host"),
+                      Term("host_process", f"this process (Python, torch, libraries; measured now){per}",
+                           process_rss * processes, "host")]
+            # each data-parallel process holds its own swapped blocks and boundaries, and reads its
+            # own copy of the model at set-up
+            host_peak = processes * (process_rss + max(setup, swapped + offloaded))
         else:
             host_peak = device_peak + process_rss
         plans.append(SettingPlan(s, terms, device_peak, host_peak, phase))

@@ -87,6 +87,20 @@ def check_same_data(state: dict[str, Any], data_version: str) -> None:
             "the run would not continue the same training. Restore the data, or start a new run (another run.name).")
 
 
+def check_processes(state: dict[str, Any], procs: int, command: str) -> None:
+    """Resume with the process count the checkpoint was written with. The order of global batches
+    and each sample's noise depend on the global batch (batch x processes), so another count would
+    not continue the same run: refused, saying how to continue it."""
+    before = state.get("processes") or 1
+    if before != procs:
+        raise checkpoint.ResumeRefused(
+            f"--resume refused: {state['path']} was written by a run of {before} process{'es' if before > 1 else ''}, "
+            f"this one has {procs}. The order of the (global) batches and each sample's noise follow the global batch, "
+            f"so another process count would not continue the same run. Resume with {before} process"
+            f"{'es' if before > 1 else ''} ({'imglora train PRESET --gpus ' + str(before) if before > 1 else 'a single process'}"
+            f" ... --resume), or start a new run.")
+
+
 def restore(state: dict[str, Any], family: Any, session: Any, data_version: str, total: int,
             out: Callable[[str], None]) -> int:
     """Load the checkpoint's adapter, optimizer and schedule into ``session``; returns its update."""

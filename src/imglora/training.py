@@ -16,12 +16,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from . import atomic, checkpoint, devices, economics, loop, oom, plan, record, resume, runlog, telemetry
+from . import atomic, checkpoint, devices, distributed, economics, loop, oom, plan, record, resume, runlog, telemetry
 from .data.batches import Batcher
+from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
 from .memory.wrap import check_swap_counts
 from .models import resolve_model
@@ -43,7 +44,7 @@ class TrainResult:
     adapter: Path | None
     steps_done: int
     interrupted: bool
-    record: Path
+    record: Path | None  # None in the processes other than the main one (which writes it)
     signal: str | None = None
     eval_exit_code: int | None = None  # train.eval_after: the evaluation process's exit code
 
@@ -56,7 +57,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     run_dir = cfg.run_dir
     # Everything that can refuse the run is checked before any model is loaded (GPU time costs).
     resume_from = resume.resume_point(run_dir, cfg, families) if resume_run else None
-    if not resume_run:
+    if not resume_run and distributed.rank_from_env() == 0:  # (the main process speaks for the run folder)
         resume.refuse_existing_run(run_dir, command)
     resume.check_dependencies(cfg)
     src = resolve_model(cfg.model, family)
@@ -64,12 +65,15 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
     accelerator = loop.accelerator_for(cfg)
-    if accelerator.num_processes > 1:
-        raise ImgloraError("multi-GPU training (accelerate launch with more than one process) is not supported "
-                           "yet: run one process per GPU with different runs, or a single process")
+    procs, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    if resume_from is not None:
+        resume.check_processes(resume_from, procs, command)
+    if not main:
+        out = _quiet  # one voice: the main process prints, logs and writes
     device = accelerator.device
     memory_plan = plan.check_at_start(cfg, family, src, device.type, out)  # refuses before loading when it cannot fit
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
+    rec.main = main  # only the main process writes the record
     t_setup = time.perf_counter()
     telemetry.reset_peaks(device)
     stages = oom.Stages()  # an out-of-memory error is reported with the stage it happened in
@@ -77,22 +81,30 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     with oom.guard(stages, rec, device, lambda: memory_plan, lambda: run and run.last_checkpoint_path()):
 
         # -- setup: data first (encoders are loaded only for missing entries, then freed) ------
-        with rec.phase("cache"), stages("caching"):
-            data = family.prepare_data(cfg, src, device)
+        with rec.phase("cache"), stages("caching"), accelerator.main_process_first():
+            data = family.prepare_data(cfg, src, device)  # filled once, by the main process; then read
+        # Encodings over all processes: the main one fills the cache, the others only read it.
+        encoded = int(distributed.sum_all(torch.tensor(data.encoded, device=device)).item()) if procs > 1 else data.encoded
+        rec.set(cache_encoded=encoded)
         for w in data.warnings:
             out(f"warning: {w}")
         out(f"data: {data.summary}")
         with rec.phase("load_model"):
             with stages("loading"):
                 trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
-            batcher = Batcher(data.samples, cfg.train.batch_size, cfg.train.seed, collate=family.collate,
+            # One deterministic order of global batches; each process takes its share of every one.
+            batcher = Batcher(data.samples, cfg.train.batch_size * procs, cfg.train.seed, collate=family.collate,
                               reg_ratio=cfg.data.reg_ratio)
             total = loop.total_updates(cfg, batcher.per_epoch)
             with stages("quantizing"):
                 session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
         n_params = sum(p.numel() for p in session.params)
+        effective = cfg.train.batch_size * cfg.train.grad_accum * procs
         out(f"model: {family.name} from {src}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "
             f"{n_params:,} trainable parameters, device {device}, {total} updates")
+        if procs > 1:
+            out(f"data parallel: {procs} processes; effective batch {effective} = batch {cfg.train.batch_size} x "
+                f"accumulation {cfg.train.grad_accum} x {procs} processes")
         start = resume.restore(resume_from, family, session, data.version, total, out) if resume_from else 0
         run = _Run(cfg, family, session, rec, data, total, start, t_setup, out, stages)
         with rec.phase("checksums"):  # hashed once per file and remembered (record.cached_sha256)
@@ -103,21 +115,21 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
                 dataset_version=data.version, dataset_items=len(data.samples), dataset_sets=data.sets or None,
                 trainable_parameters=n_params,
                 total_updates=total, resumed_from=start or None, memory=session.memory.facts,
-                memory_plan=memory_plan)
+                memory_plan=memory_plan, processes=procs, effective_batch=effective)
 
         # -- the loop --------------------------------------------------------------------------
         accum = cfg.train.grad_accum
         step = start
         t_loop = time.perf_counter()
         stages.detail = lambda: oom.step_stage(session.stage, step == start + 1)
-        with _StopFlag() as stop, rec.phase("train_loop"), stages("training"):
+        with _StopFlag() as stop, rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
             for step in range(start + 1, total + 1):
-                seed = loop.step_seed(cfg.train.seed, step)
-                torch.manual_seed(seed)  # LoRA dropout draws from the global RNG
-                gen = torch.Generator(device=device).manual_seed(seed)
-                micro = range((step - 1) * accum, step * accum)
-                loop.step(session, (batcher.batch(i, device) for i in micro), gen, run.loss_sum)
+                torch.manual_seed(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
+                loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device),
+                          run.loss_sum)
                 run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+                if procs > 1:
+                    run.agree(stop)  # every process stops at the same update, for the same reason
                 if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
                     run.log(step)  # a sync point, once per log
                 if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
@@ -131,18 +143,35 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         return run.finish(step, time.perf_counter() - t_loop, command)
 
 
+def _micros(batcher: Batcher, step: int, accum: int, rank: int, procs: int, family: "Family", seed: int,
+            device: torch.device) -> Iterator[loop.Micro]:
+    """Update ``step``'s micro-batches as this process sees them: its share of each global batch, a
+    generator per sample (seeded by the sample's place in the update, so how the batch is cut between
+    processes does not change its draws), and its share of the loss."""
+    for k, i in enumerate(range((step - 1) * accum, step * accum)):
+        part = batcher.part(i, device, rank, procs, getattr(family, "loss_units", None))
+        seeds = [sample_seed(seed, step, k * batcher.batch_size + j) for j in part.positions]
+        yield loop.Micro(part.batch, SampleRNG(seeds, device), part.scale)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
 class _Run:
     """What the "every N updates" blocks share: the log, timing, checkpoints, the budget projection."""
 
     def __init__(self, cfg: "Config", family: "Family", session: loop.Session, rec: record.RunRecord, data: Any,
                  total: int, start: int, t_setup: float, out: Callable[[str], None], stages: oom.Stages):
         self.cfg, self.family, self.s, self.rec, self.data, self.stages = cfg, family, session, rec, data, stages
+        self.procs, self.main = session.accelerator.num_processes, session.accelerator.is_main_process
+        self.budget_pending = False  # several processes: the main one's budget verdict, until agreed
         self.total, self.start, self.t_setup, self.out = total, start, t_setup, out
         self.run_dir, self.device = cfg.run_dir, session.device
         self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
         self.log_path = self.run_dir / "log.jsonl"
         self.history = runlog.read(self.log_path, upto=start)
-        self.tb = runlog.tensorboard(self.run_dir)
+        self.tb = runlog.tensorboard(self.run_dir) if self.main else None
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
         self.loss_sum = torch.zeros((), device=self.device)
@@ -155,7 +184,22 @@ class _Run:
     def note_non_finite(self, step: int) -> None:
         self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(self.loss_sum), step, self.first_bad)
 
+    def agree(self, stop: "_StopFlag") -> None:
+        """Several processes: share what any of them saw -- the first non-finite update, a signal,
+        the budget guard's verdict -- so all stop at the same update (one collective per update)."""
+        flags = torch.stack([self.first_bad, torch.tensor(stop.signal or 0, device=self.device),
+                             torch.tensor(int(self.budget_pending), device=self.device)])
+        first_bad, sig, budget = distributed.max_all(flags).tolist()
+        self.first_bad = torch.full((), first_bad, dtype=torch.long, device=self.device)
+        self.check_finite()
+        if sig and not stop.signal:
+            stop.signal = sig
+        if budget:
+            self.stop_signal = "budget"
+
     def log(self, step: int) -> None:
+        if self.procs > 1:
+            self.loss_sum = distributed.sum_all(self.loss_sum)  # every process logs at the same updates
         loss_value = self.loss_sum.item() / (step - self.last_log_step)
         self.loss_sum.zero_()
         now = time.perf_counter()
@@ -171,14 +215,15 @@ class _Run:
                "sec_per_update": per_update, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
         self.history.append(row)
-        runlog.append(self.log_path, row)
-        if self.tb:
+        if self.main:
+            runlog.append(self.log_path, row)
+        if self.tb and self.main:
             self.tb.add_scalar("loss", loss_value, step)
             self.tb.add_scalar("lr", row["lr"], step)
         self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
         budget = self.cfg.train.budget
-        if self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps and \
-                step < self.total:
+        if self.main and self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps \
+                and step < self.total:
             if not self.rec.data.get("checkpoint_seconds"):
                 self.checkpoint(step)  # measure what a checkpoint costs rather than guess it (a safe point)
             ckpt = self.rec.data.get("checkpoint_seconds") or []
@@ -189,7 +234,10 @@ class _Run:
                 seconds_per_checkpoint=sum(ckpt) / len(ckpt) if ckpt else 0.0)
             self.out(self.projection.text(budget.currency))
             if self.projection.over:
-                self.stop_signal = "budget"
+                if self.procs > 1:
+                    self.budget_pending = True  # all processes stop together, at the next update
+                else:
+                    self.stop_signal = "budget"
 
     def last_checkpoint_path(self) -> str | None:
         return str(checkpoint.step_dir(self.run_dir, self.last_good_ckpt)) if self.last_good_ckpt else None
@@ -200,7 +248,8 @@ class _Run:
             val = loop.validation_loss(s.trainable, s.memory, self.data.validation, self.family.collate,
                                        self.device, self.cfg.train.seed, s.accelerator.autocast)
         self.history.append({"step": step, "val_loss": val, "time": time.time()})
-        runlog.append(self.log_path, self.history[-1])
+        if self.main:
+            runlog.append(self.log_path, self.history[-1])
         self.out(f"  validation loss at update {step}: {val:.4f} ({len(self.data.validation)} held-out examples)")
 
     def write_adapter(self, folder: Path) -> Path:
@@ -209,11 +258,15 @@ class _Run:
     def checkpoint(self, step: int) -> Path:
         self.check_finite()
         t0 = time.perf_counter()
+        if not self.main:  # one writer: the processes hold the same adapter and optimizer state
+            self.last_good_ckpt = step
+            return checkpoint.step_dir(self.run_dir, step)
         with self.rec.phase("checkpoints"), self.stages("checkpoint saving"):
             path = checkpoint.save(self.run_dir, step, write_adapter=self.write_adapter, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
-                                   extra={"dataset_version": self.data.version, "total_updates": self.total})
+                                   extra={"dataset_version": self.data.version, "total_updates": self.total,
+                                          "processes": self.procs})
         seconds = time.perf_counter() - t0
         self.rec.data.setdefault("checkpoint_seconds", []).append(round(seconds, 4))
         self.paused += seconds
@@ -243,10 +296,11 @@ class _Run:
         else:
             ckpt_path = None
         adapter = None
-        if not interrupted:
+        if not interrupted and self.main:
             with atomic.atomic_dir(self.run_dir / "adapter") as tmp, self.stages("checkpoint saving"):
                 adapter = self.run_dir / "adapter" / self.write_adapter(tmp).relative_to(tmp)
-        runlog.plot_loss(self.history, self.run_dir / "loss.png")
+        if self.main:
+            runlog.plot_loss(self.history, self.run_dir / "loss.png")
         if self.tb:
             self.tb.close()
         targets = self.s.lora_config.target_modules
@@ -263,8 +317,11 @@ class _Run:
             actual = time.perf_counter() - self.t_setup
             rec.set(projection={**self.projection.to_dict(), "actual_seconds": round(actual, 3),
                                 "error_pct": round(100 * (self.projection.seconds - actual) / actual, 2)})
-        rec.set(signal=self.stop_signal)
-        rec_path = rec.write(status="interrupted" if interrupted else "ok")
+        session_hours = (time.perf_counter() - self.t_setup) / 3600
+        rec.set(signal=self.stop_signal, processes=self.procs, gpu_hours=round(session_hours * self.procs, 5))
+        rec_path = rec.write(status="interrupted" if interrupted else "ok") if self.main else None
+        if not self.main:
+            return TrainResult(self.run_dir, None, step, interrupted, rec_path, self.stop_signal)
         if self.stop_signal == "budget":
             p = self.projection
             out(f"stopped by the budget guard at update {step}/{self.total}: the session would take "

@@ -282,7 +282,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             before = memory.swapper.stats.h2d_bytes if memory.swapper else 0
             t = time.perf_counter()
             micro = (batches[(step * accum + m) % len(batches)] for m in range(accum))
-            loop.step(session, micro, torch.Generator(device=device).manual_seed(step), loss_sum)
+            loop.step(session, loop.simple_micros(micro, torch.Generator(device=device).manual_seed(step)), loss_sum)
             devices.synchronize(device)
             times.append(time.perf_counter() - t)
             h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)

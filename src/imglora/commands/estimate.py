@@ -18,7 +18,7 @@ def estimate(run_dir: str | None, bench_file: str | None, setting: str | None, s
              its_unit: str | None, setup: float | None, cache_s: float | None, checkpoint_every: int | None,
              sec_per_checkpoint: float | None, eval_seconds: float | None, idle_minutes: float, rate: float | None,
              currency: str, storage: str | None, transfer: str | None, offers: tuple[str, ...],
-             echo: Callable[[str], Any] = click.echo) -> None:
+             echo: Callable[[str], Any] = click.echo, gpus: int | None = None) -> None:
     if run_dir:
         m = ec.from_run(Path(run_dir))
     elif bench_file:
@@ -49,8 +49,15 @@ def estimate(run_dir: str | None, bench_file: str | None, setting: str | None, s
         evaluation=m.evaluation if eval_seconds is None else eval_seconds, idle=idle_minutes * 60)
     extras = ec.Extras(*_pair(storage, "--storage"), *_pair(transfer, "--transfer"))
     est = ec.estimate(inputs, rate, currency, extras)
-    echo(f"session estimate from {m.source}: {steps} updates, batch {batch_size} × accumulation {accum}")
+    procs = gpus or m.processes
+    per_gpu = f" × {procs} processes" if procs > 1 else ""
+    echo(f"session estimate from {m.source}: {steps} updates, batch {batch_size} × accumulation {accum}{per_gpu}")
     echo(ec.format_estimate(est, steps, spu))
+    if procs > 1:
+        echo(f"  GPU-hours: {est.hours * procs:.3f} ({procs} GPUs × {est.hours:.3f} h; the rate is per machine)")
+        if gpus and gpus != m.processes and not (sec_per_update or its or sec_per_micro_batch):
+            echo(f"  note: the speed was measured with {m.processes} process(es), not {gpus}: scaling not measured; "
+                 f"train a few updates with --gpus {gpus} (or bench there) and estimate from that run")
     if m.actual_seconds and steps == m.steps and idle_minutes == 0:
         err = 100 * (est.seconds - m.actual_seconds) / m.actual_seconds
         echo(f"  measured session of that run: {m.actual_seconds:.1f} s (estimate {err:+.1f} %)")

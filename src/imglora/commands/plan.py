@@ -62,7 +62,7 @@ def parse_settings(text: str) -> list[plan.Setting]:
 
 def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resolution: int | None, vram: str | None,
         host_ram: str | None, bench_file: str | None, device: str, json_out: str | None,
-        out: Callable[[str], None] = print) -> plan.Plan:
+        out: Callable[[str], None] = print, gpus: int = 1) -> plan.Plan:
     import psutil
 
     from .bench import parse_size
@@ -80,7 +80,7 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
             raise ImgloraError(f"--bench {bench_file}: cannot read it as a bench-swap result ({exc})") from None
     vram_b, host_b = parse_size(vram, "--vram"), parse_size(host_ram, "--host-ram")
     p = plan.predict(cfg, family, settings, device_kind=device, src=src, resolution=resolution, vram=vram_b,
-                     host_ram=host_b, bench=bench, process_rss=psutil.Process().memory_info().rss)
+                     host_ram=host_b, bench=bench, process_rss=psutil.Process().memory_info().rss, processes=gpus)
     if note:
         p.notes.append(note)
     p.notes.append("allocated tensor bytes, predicted from the architecture on the meta device and one "
@@ -93,7 +93,8 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
     b = cfg.train.batch_size
     out(f"{family.name} at {p.resolution}x{p.resolution}, batch {b}, LoRA rank {cfg.lora.rank}, "
         f"{cfg.train.optimizer}, gradient checkpointing {'on' if cfg.memory.gradient_checkpointing else 'off'}, "
-        f"for a {device.upper()} machine:")
+        f"for a {device.upper()} machine" + (f" with {gpus} GPUs (data parallel; per GPU, host RAM for all):"
+                                             if gpus > 1 else ":"))
     out("")
     out(plan.table(p, vram_b, host_b))
     out("")

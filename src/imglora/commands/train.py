@@ -3,6 +3,7 @@ evaluation pass in a fresh process."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shlex
 import subprocess
@@ -12,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .. import atomic, runlock
+from .. import atomic, distributed, runlock
 from ..config import Config
 from ..families import registry
 from ..training import TrainResult, train as train_loop
@@ -30,13 +31,15 @@ def train(cfg: Config, *, resume: bool = False, command: str = "", out: Callable
     # Checked before the run folder is touched: where the run and the cache will be written.
     atomic.check_writable(cfg.run.output_dir, "run.output_dir")
     atomic.check_writable(cfg.cache.dir, "cache.dir")
-    with runlock.hold(cfg.run_dir, command + (" --resume" if resume else "")):
-        for folder in (cfg.run_dir, cfg.run_dir / "checkpoints"):
-            for line in atomic.recover(folder):  # only this process writes here now (the lock)
-                out(f"cleanup: {line}")
+    main = distributed.rank_from_env() == 0  # several processes: the main one holds the run folder
+    with runlock.hold(cfg.run_dir, command + (" --resume" if resume else "")) if main else contextlib.nullcontext():
+        if main:
+            for folder in (cfg.run_dir, cfg.run_dir / "checkpoints"):
+                for line in atomic.recover(folder):  # only this process writes here now (the lock)
+                    out(f"cleanup: {line}")
         result = train_loop(cfg, registry.get(cfg.model.family), registry, resume_run=resume, command=command,
                             out=out)
-    if cfg.train.eval_after and not result.interrupted:
+    if cfg.train.eval_after and not result.interrupted and main:
         # Evaluate in a fresh process once this one has let go of the model, so sampling's memory
         # peak never stacks on training's (the train record holds training's peak only).
         result.eval_exit_code = run_eval_subprocess(result.run_dir, out)

@@ -214,6 +214,10 @@ class BudgetConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = setting(0, help="Optimizer updates to run; 0 = use epochs.", min=0, max=10_000_000)
+    process_timeout: int = setting(600, help="With several processes (accelerate launch, --gpus N): seconds a "
+                                             "process waits for the others in a collective before the run stops "
+                                             "with an error (a process that died must not leave the rest hanging).",
+                                   min=10, max=86_400, resume_safe=True)
     epochs: int = setting(0, help="Passes over the dataset (with repeats), used when max_steps = 0.",
                           min=0, max=100_000)
     learning_rate: float = setting(1e-4, help="Peak learning rate.", min=0.0, max=1.0, min_exclusive=True)

@@ -25,6 +25,15 @@ from .samples import Sample
 
 
 @dataclass(frozen=True)
+class Part:
+    """One process's share of a micro-batch."""
+
+    batch: dict[str, torch.Tensor] | None  # None: no sample of this micro-batch falls to this process
+    positions: range  # the rows' positions in the whole micro-batch
+    scale: float  # the share of the micro-batch's loss these rows carry
+
+
+@dataclass(frozen=True)
 class BatchRef:
     epoch: int
     indices: tuple[int, ...]  # into the sample list
@@ -117,8 +126,31 @@ class Batcher:
 
     def batch(self, micro_index: int, device: torch.device) -> dict[str, torch.Tensor]:
         ref = self.ref(micro_index)
-        entries = [self.samples[i].entry(v, t) for i, v, t in zip(ref.indices, ref.variants, ref.texts)]
-        batch = self.collate(entries)
+        return self._to(self.collate(self._entries(ref, range(len(ref.indices)))), device)
+
+    def part(self, micro_index: int, device: torch.device, rank: int, world: int,
+             units: Callable[[list[dict[str, torch.Tensor]]], float] | None = None) -> "Part":
+        """Process ``rank``'s share of micro-batch ``micro_index`` (of ``world`` processes, which
+        share each batch, see ``distributed.share``): its rows, their positions in the whole batch,
+        and the share of the batch's loss they carry -- samples, or what ``units`` counts (tokens)."""
+        from ..distributed import share
+
+        ref = self.ref(micro_index)
+        rows = range(len(ref.indices))[share(len(ref.indices), rank, world)]
+        if world == 1:
+            return Part(self.batch(micro_index, device), rows, 1.0)
+        if not rows:
+            return Part(None, rows, 0.0)
+        mine = self._entries(ref, rows)
+        count = units or len
+        scale = count(mine) / count(self._entries(ref, range(len(ref.indices))))
+        return Part(self._to(self.collate(mine), device), rows, scale)
+
+    def _entries(self, ref: BatchRef, rows: range) -> list[dict[str, torch.Tensor]]:
+        return [self.samples[ref.indices[j]].entry(ref.variants[j], ref.texts[j]) for j in rows]
+
+    @staticmethod
+    def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         if device.type == "cuda":  # only a copy from page-locked memory is truly asynchronous
             batch = {k: t.pin_memory() for k, t in batch.items()}
         return {k: t.to(device, non_blocking=True) for k, t in batch.items()}

@@ -390,7 +390,7 @@ def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: 
                + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
                f"{stats.latents_reused + stats.texts_reused} reused")
     return PreparedData(samples, data_version(cfg, train_scan.items), tuple(warnings), summary, validation=held,
-                        sets=sets)
+                        sets=sets, encoded=stats.latents_encoded + stats.texts_encoded)
 
 
 TEXT_MEMORY_WARN = 0.25  # share of the machine's memory the text entries may take before a warning

@@ -45,3 +45,4 @@ class PreparedData:
     summary: str  # one line for the user
     validation: list[Sample] = field(default_factory=list)  # held out; loss only, never trained on
     sets: list[dict[str, Any]] = field(default_factory=list)  # per data set: images, repeats, version (the record)
+    encoded: int = 0  # cache entries this preparation encoded (0 when the cache was complete)

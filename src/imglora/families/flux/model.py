@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import weighting
+from ...rng import draws
 from ...tiny import random_init
 from . import singlefile, stream, swap
 
@@ -100,15 +101,16 @@ def resolution_shift_mu(image_seq_len: int) -> float:
     return 0.5 + (1.15 - 0.5) * (image_seq_len - 256) / (4096 - 256)
 
 
-def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: torch.Generator,
-                  device: torch.device) -> torch.Tensor:
-    """Noise levels σ ∈ (0, 1) for flow matching (kohya sd-scripts' options, same formulas)."""
+def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, device: torch.device) -> torch.Tensor:
+    """Noise levels σ ∈ (0, 1) for flow matching (kohya sd-scripts' options, same formulas).
+    ``generator``: a ``torch.Generator`` or an ``imglora.rng`` per-sample source."""
+    rng = draws(generator)
     kind = settings.timestep_sampling
     if kind == "uniform":
-        return torch.rand(n, generator=generator, device=device)
+        return rng.rand((n,), device=device)
     if kind == "logit_normal":  # SD3's default: sigmoid of a standard normal
-        return torch.sigmoid(torch.randn(n, generator=generator, device=device))
-    s = torch.sigmoid(settings.sigmoid_scale * torch.randn(n, generator=generator, device=device))
+        return torch.sigmoid(rng.randn((n,), device=device))
+    s = torch.sigmoid(settings.sigmoid_scale * rng.randn((n,), device=device))
     if kind == "sigmoid":
         return s
     if settings.resolution_dependent_shift:
@@ -127,11 +129,11 @@ class FluxTrainable:
         self.guidance = settings.guidance if transformer.config.guidance_embeds else None
         self.facts = {"variant": "dev" if transformer.config.guidance_embeds else "schnell"}
 
-    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+    def loss(self, batch: dict[str, torch.Tensor], generator: Any) -> torch.Tensor:
         latents = batch["latents"]
         device, (n, _, h, w) = latents.device, latents.shape
         x0 = pack_latents(latents)
-        noise = torch.randn(x0.shape, generator=generator, device=device, dtype=x0.dtype)
+        noise = draws(generator).randn(x0.shape, device=device, dtype=x0.dtype)
         sigma = sample_sigmas(n, self.settings, x0.shape[1], generator, device)
         s = sigma.view(n, 1, 1)
         noisy = (1 - s) * x0 + s * noise

@@ -83,6 +83,12 @@ class LlmFamily:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                 "positions": positions, "targets": targets}
 
+    @staticmethod
+    def loss_units(entries: list[dict[str, torch.Tensor]]) -> int:
+        """What the loss averages over: the supervised next tokens (data-parallel processes weight
+        their share of a batch by these)."""
+        return sum(int((e["labels"][1:] != IGNORE).sum()) for e in entries)
+
     # -- model --------------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> LlmTrainable:
         from transformers import AutoModelForCausalLM

@@ -9,6 +9,7 @@ import torch
 
 from ... import weighting
 from ...errors import ImgloraError
+from ...rng import draws
 from ...tiny import random_init
 from . import singlefile
 
@@ -117,15 +118,16 @@ class SdxlTrainable:
         self.facts = {"prediction_type": self.prediction_type,
                       "zero_terminal_snr": bool(getattr(scheduler.config, "rescale_betas_zero_snr", False))}
 
-    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+    def loss(self, batch: dict[str, torch.Tensor], generator: Any) -> torch.Tensor:
         latents = batch["latents"]
         device, n = latents.device, latents.shape[0]
-        noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+        rng = draws(generator)  # a torch.Generator, or one generator per sample (imglora.rng)
+        noise = rng.randn(latents.shape, device=device, dtype=latents.dtype)
         if self.noise_offset:
             # A per-channel constant shift teaches the model to change overall brightness.
-            noise = noise + self.noise_offset * torch.randn((n, latents.shape[1], 1, 1), generator=generator,
-                                                            device=device, dtype=latents.dtype)
-        t = torch.randint(0, self.num_timesteps, (n,), generator=generator, device=device)
+            noise = noise + self.noise_offset * rng.randn((n, latents.shape[1], 1, 1), device=device,
+                                                          dtype=latents.dtype)
+        t = rng.randint(0, self.num_timesteps, (n,), device=device)
         if self.alphas_cumprod.device != device:  # once: a per-step host-to-device copy would sync
             self.alphas_cumprod = self.alphas_cumprod.to(device)
         abar = self.alphas_cumprod[t].view(n, 1, 1, 1)

@@ -1,0 +1,118 @@
+"""Data parallelism across processes: ``accelerate launch`` (or ``imglora train --gpus N``).
+
+Every process holds the whole model (with its own fp8 copy and its own swapped blocks), takes a
+disjoint share of every global batch, and the LoRA gradients are summed across processes once per
+update (each process's loss already carries its share's weight, so the sum is the global batch's
+mean gradient). LoRA gradients are small (0.24 GiB for FLUX.1 at rank 16), so one flat all-reduce
+per update is used instead of wrapping the model in DDP, whose wrapper would hide the family
+model's attributes and fight the swap engine's placement. accelerate sets up the process group
+(NCCL on GPUs, gloo on CPUs) and the device of each process; torch.distributed does the collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+
+def rank_from_env() -> int:
+    """This process's rank as the launcher set it (0 when not launched as several)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launched_processes() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def share(n: int, rank: int, world: int) -> slice:
+    """The positions of a batch of ``n`` that process ``rank`` of ``world`` takes: contiguous, as
+    even as can be (the first ``n % world`` take one more; a process may get none)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def sum_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Sum every parameter's gradient over the processes, in one flat all-reduce (a process that had
+    no samples in this update contributes zeros)."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
+        offset += n
+
+
+def max_all(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over the processes (stop flags, the first non-finite update)."""
+    import torch.distributed as dist
+
+    out = values.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def sum_all(value: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = value.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another process died or stopped answering."""
+    if isinstance(exc, getattr(torch.distributed, "DistBackendError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Gloo", "NCCL",
+        "ProcessGroup", "Broken pipe"))
+
+
+@contextmanager
+def peers_guard(procs: int, run: Any) -> Iterator[None]:
+    """With several processes: a collective that fails because another process died becomes one
+    message saying so, with the last checkpoint and how to continue."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if procs < 2 or not is_peer_failure(exc):
+            raise
+        from .errors import ImgloraError
+
+        kept = run.last_checkpoint_path() if run is not None else None
+        raise ImgloraError(
+            f"another process of this {procs}-process run stopped answering ({str(exc).splitlines()[0][:200]}); "
+            f"this one stops too. " + (f"The last checkpoint is {kept}: continue with the same command and "
+                                       f"--resume." if kept else "No checkpoint had been written yet.")) from None
+
+
+def launch_command(n: int, argv: list[str]) -> list[str]:
+    """The command that runs ``imglora <argv>`` as ``n`` processes: accelerate's launcher on a
+    CUDA machine; on a machine without CUDA, torch's own (accelerate's launcher runs several CPU
+    processes only under MPI; inside each process accelerate sets up gloo just the same)."""
+    module = ["-m", "imglora", *argv]
+    if torch.cuda.is_available():
+        return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
+                "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", *module]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *module]
+
+
+def describe(cmd: list[str]) -> str:
+    return shlex.join(cmd)
+
+
+def gather_info(accelerator: Any) -> dict[str, Any]:
+    return {"processes": accelerator.num_processes, "backend": getattr(accelerator.state, "backend", None),
+            "distributed_type": str(accelerator.distributed_type)}
