@@ -192,3 +192,13 @@ def test_a_process_without_samples_carries_no_share_and_the_shares_sum_to_one() 
         assert sum(p.scale for p in parts) == pytest.approx(1.0)
         assert [len(p.positions) for p in parts] == ([1, 1] if n == 2 else [1, 0])
         assert parts[1].batch is None if n == 1 else parts[1].batch["x"].shape == (1, 1)
+
+
+@pytest.mark.slow
+def test_bench_swap_runs_a_setting_on_two_processes(tmp_path: Path) -> None:
+    r = imglora(["bench-swap", str(REPO / "presets" / "tiny-flux.toml"), "--blocks", "fp8:0", "--steps", "2",
+                 "--warmup", "1", "--resolution", "64", "--out", str(tmp_path / "b"), "--gpus", "2"], cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert report["processes"] == 2 and report["results"][0]["status"] == "ok"
+    assert report["results"][0]["processes"] == 2

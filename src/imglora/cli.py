@@ -164,7 +164,10 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Folder for bench.json/csv/png.")
 @click.option("--timeout", default=3600, show_default=True, type=click.IntRange(min=1),
               help="Seconds allowed per setting.")
-def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vram_budget, arch, out_dir, timeout):
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run each setting data-parallel on this many processes (GPUs): seconds per update at N vs 1.")
+def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vram_budget, arch, out_dir, timeout,
+                   gpus):
     """Measure seconds per update and peak memory for several swap settings; name the fastest that fits."""
     from .commands import bench
     from .progress import stamped
@@ -173,7 +176,7 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
     settings = bench.parse_settings(blocks, cfg.memory.fp8 if fp8 is None else fp8)
     bench.bench_swap(preset, overrides, settings, steps=steps, warmup=warmup, resolution=resolution,
                      vram_budget=bench.parse_size(vram_budget), arch=arch, out_dir=Path(out_dir) if out_dir else None,
-                     timeout=timeout, out=stamped(click.echo))
+                     timeout=timeout, out=stamped(click.echo), gpus=gpus)
 
 
 @main.command("plan", short_help="Predict peak GPU memory and host RAM per setting, term by term.")

@@ -97,11 +97,11 @@ def peers_guard(procs: int, run: Any) -> Iterator[None]:
                                        f"--resume." if kept else "No checkpoint had been written yet.")) from None
 
 
-def launch_command(n: int, argv: list[str]) -> list[str]:
-    """The command that runs ``imglora <argv>`` as ``n`` processes: accelerate's launcher on a
-    CUDA machine; on a machine without CUDA, torch's own (accelerate's launcher runs several CPU
-    processes only under MPI; inside each process accelerate sets up gloo just the same)."""
-    module = ["-m", "imglora", *argv]
+def launch_command(n: int, argv: list[str], module_name: str = "imglora") -> list[str]:
+    """The command that runs ``python -m <module_name> <argv>`` as ``n`` processes: accelerate's
+    launcher on a CUDA machine; on a machine without CUDA, torch's own (accelerate's launcher runs
+    several CPU processes only under MPI; inside each process accelerate sets up gloo the same)."""
+    module = ["-m", module_name, *argv]
     if torch.cuda.is_available():
         return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
                 "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",

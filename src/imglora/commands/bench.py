@@ -73,7 +73,7 @@ def parse_size(text: str | None, option: str = "--vram-budget") -> int | None:
 
 def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting], *, steps: int, warmup: int,
                resolution: int | None, vram_budget: int | None, arch: str, out_dir: Path | None,
-               timeout: float = 3600, out: Callable[[str], None] = print) -> dict[str, Any]:
+               timeout: float = 3600, out: Callable[[str], None] = print, gpus: int = 1) -> dict[str, Any]:
     from ..family import Swappable, supports
     from .common import family_of, load_config
 
@@ -87,13 +87,13 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
     for i, s in enumerate(settings, 1):
         out(f"[{i}/{len(settings)}] {s.name}: running in a fresh process ...")
         spec = {"preset": preset, "overrides": list(overrides), "precision": s.precision, "blocks": s.blocks,
-                "steps": steps, "warmup": warmup, "resolution": resolution, "arch": arch}
+                "steps": steps, "warmup": warmup, "resolution": resolution, "arch": arch, "processes": gpus}
         results.append(_run_worker(spec, out_dir / f"setting-{i}", timeout))
         out("    " + _one_line(results[-1]))
     report = {"preset": preset, "overrides": list(overrides), "family": cfg.model.family, "arch": arch,
               "resolution": resolution or cfg.data.max_resolution, "rank": cfg.lora.rank,
               "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum, "steps": steps,
-              "warmup": warmup, "vram_budget": vram_budget, "results": results,
+              "warmup": warmup, "vram_budget": vram_budget, "processes": gpus, "results": results,
               "environment": results[0].get("environment") if results else None}
     report["best"] = best_setting(results, vram_budget)
     write_report(report, out_dir)
@@ -110,8 +110,14 @@ def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str,
     base = {"setting": f"{spec['precision']}:{spec['blocks']}", "precision": spec["precision"],
             "blocks": spec["blocks"]}
     try:
-        proc = subprocess.run([sys.executable, "-m", "imglora.commands.bench", str(spec_path), str(result_path)],
-                              capture_output=True, text=True, timeout=timeout)
+        args = [str(spec_path), str(result_path)]
+        if spec.get("processes", 1) > 1:  # data parallel: every process times the same updates
+            from .. import distributed
+
+            cmd = distributed.launch_command(spec["processes"], args, "imglora.commands.bench")
+        else:
+            cmd = [sys.executable, "-m", "imglora.commands.bench", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**base, "status": "timeout", "stage": "unknown", "error": f"no result after {timeout:.0f} s"}
     (folder / "worker.log").write_text(proc.stdout + proc.stderr)
@@ -328,10 +334,13 @@ def _batches(samples: list[Any], cfg: Any, family: Any, device: Any) -> list[dic
 
 
 def main() -> None:
+    from .. import distributed
+
     spec_path, result_path = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
     result = run_setting(spec)
-    atomic.write_json(result_path, result)
+    if distributed.rank_from_env() == 0:  # several processes: the main one reports (its own peak memory)
+        atomic.write_json(result_path, {**result, "processes": distributed.launched_processes()})
 
 
 if __name__ == "__main__":
