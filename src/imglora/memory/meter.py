@@ -22,15 +22,16 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage alive (created while the mode is on and not yet freed), their peak,
     and named marks (``mark(name)`` records the live bytes at that moment)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_meta: bool = True) -> None:
         super().__init__()
+        self.count_meta = count_meta  # False: what a real device holds (a module moved to "meta" frees it)
         self.live = self.peak = 0
         self.marks: dict[str, int] = {}
         self.peaks: dict[str, int] = {}  # the peak reached by each mark's time
         self._sizes: dict[int, int] = {}
 
     def _track(self, t: object) -> None:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or (not self.count_meta and t.device.type == "meta"):
             return
         if is_traceable_wrapper_subclass(t):  # e.g. a quanto tensor: its parts hold the memory
             names, _ = t.__tensor_flatten__()

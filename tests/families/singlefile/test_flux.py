@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 from checks import assert_same_weights
 from safetensors.torch import load_file, save_file
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from imglora.errors import ModelSourceError
 from imglora.families.flux.singlefile import flux_plan, load_flux_transformer
+from imglora.memory.meter import LiveBytes
 
 FP8 = torch.float8_e4m3fn
 BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")
@@ -121,39 +119,8 @@ def test_on_block_sees_each_block_once_in_order_complete(files, config):
                    [("single", i) for i in range(config["num_single_layers"])]
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive while the mode is on, and their peak: every storage an op
-    produces (the loader's reads from the memory map included) counts from its creation until it
-    is freed, whichever Python objects (tensors, views, Parameters) keep it alive meanwhile."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._sizes: dict[int, int] = {}
-
-    def _track(self, t: object) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        storage = t.untyped_storage()  # one Python object per storage, finalized when it is freed
-        key = id(storage)
-        if key not in self._sizes:
-            self._sizes[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            self._track(t)
-        return out
-
-
 def _peak_bytes(run):
-    with LiveTensorBytes() as meter:
+    with LiveBytes(count_meta=False) as meter:
         result = run()
     return meter.peak, result
 
