@@ -57,7 +57,6 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     import torch
 
     from imglora import loop, plan
-    from imglora.memory.meter import LiveBytes, held_bytes
     from imglora.tiny import random_init
 
     setting = plan.Setting(precision, blocks)
@@ -70,22 +69,12 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=10, out=lambda s: None,
                                  blocks_to_swap=blocks)
     batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
-    buffers = []
-    if session.memory.swapper is not None:
-        for pool in session.memory.swapper._pools:
-            buffers += list(pool.hosts) + [s.buf for s in pool.slots]
-    loss_sum = torch.zeros(())
-    peak, step_seconds = 0, []
-    for i in range(3):
-        base = held_bytes(session.model, session.optimizer, list(batch.values()), buffers, loss_sum)
-        t = time.perf_counter()
-        with LiveBytes() as meter:
-            loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(i)), loss_sum)
-        step_seconds.append(time.perf_counter() - t)
-        peak = max(peak, base + meter.peak)
+    t = time.perf_counter()
+    peak = plan.measured_peak(session, batch)
+    step_seconds = [round((time.perf_counter() - t) / 3, 2)]
     return {"setting": setting.name, "predicted": predicted.device_peak, "measured": peak,
             "ratio": predicted.device_peak / peak, "terms": {t.key: t.bytes for t in predicted.terms},
-            "plan_seconds": round(plan_seconds, 2), "step_seconds": [round(s, 2) for s in step_seconds]}
+            "plan_seconds": round(plan_seconds, 2), "step_seconds": step_seconds}
 
 
 def main() -> None:

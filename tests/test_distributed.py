@@ -81,30 +81,22 @@ def test_two_processes_train_what_one_process_trains_with_the_whole_batch(preset
         assert record.read_records(runs / "one", "train")[0]["cache_encoded"] == 0
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_at_the_same_update_with_one_checkpoint(tmp_path: Path) -> None:
+def signal_one_worker(args: list[str], when: str, sig: int) -> tuple[subprocess.Popen, str, float]:
+    """Start ``imglora <args> --gpus 2``, wait for the progress line containing ``when``, send ``sig``
+    to one of the two workers; returns the launcher, its output so far, and when the signal went."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    args = run_args(tmp_path, "tiny-sdxl", "sig", "train.batch_size=1", "train.max_steps=400",
-                    "train.checkpoint_every=0")
     p = subprocess.Popen([sys.executable, "-m", "imglora", *args, "--gpus", "2"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     out = ""
     for line in p.stdout:
         out += line
-        if "3/400" in line:
+        if when in line:
             break
     workers = subprocess.run(["pgrep", "-f", "-P", str(_child_of(p.pid)), "imglora train"], capture_output=True,
                              text=True).stdout.split()
-    assert len(workers) == 2, workers
-    os.kill(int(workers[-1]), signal.SIGTERM)  # one of the two
-    out += p.stdout.read()
-    p.wait(timeout=120)
-    run = tmp_path / "runs" / "sig"
-    ckpts = sorted((run / "checkpoints").glob("step-*"))
-    assert len(ckpts) == 1, out[-3000:]
-    rec = record.read_records(run, "train")[-1]
-    assert rec["interrupted"] and rec["signal"] == "SIGTERM" and rec["steps_done"] == int(ckpts[0].name[5:])
-    assert "--gpus 2 --resume" in out
+    assert len(workers) == 2, (workers, out[-2000:])
+    os.kill(int(workers[-1]), sig)
+    return p, out, time.time()
 
 
 def _child_of(pid: int) -> int:
@@ -118,21 +110,25 @@ def _child_of(pid: int) -> int:
 
 
 @pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_update_with_one_checkpoint(tmp_path: Path) -> None:
+    args = run_args(tmp_path, "tiny-sdxl", "sig", "train.batch_size=1", "train.max_steps=400",
+                    "train.checkpoint_every=0")
+    p, out, _ = signal_one_worker(args, "3/400", signal.SIGTERM)
+    out += p.stdout.read()
+    p.wait(timeout=120)
+    run = tmp_path / "runs" / "sig"
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1, out[-3000:]
+    rec = record.read_records(run, "train")[-1]
+    assert rec["interrupted"] and rec["signal"] == "SIGTERM" and rec["steps_done"] == int(ckpts[0].name[5:])
+    assert "--gpus 2 --resume" in out
+
+
+@pytest.mark.slow
 def test_a_killed_process_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = run_args(tmp_path, "tiny-sdxl", "kill", "train.batch_size=1", "train.max_steps=60",
                     "train.checkpoint_every=2")
-    p = subprocess.Popen([sys.executable, "-m", "imglora", *args, "--gpus", "2"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    out = ""
-    for line in p.stdout:
-        out += line
-        if "5/60" in line:
-            break
-    workers = subprocess.run(["pgrep", "-f", "-P", str(_child_of(p.pid)), "imglora train"], capture_output=True,
-                             text=True).stdout.split()
-    os.kill(int(workers[-1]), signal.SIGKILL)
-    t0 = time.time()
+    p, out, t0 = signal_one_worker(args, "5/60", signal.SIGKILL)
     out += p.stdout.read()
     p.wait(timeout=300)
     assert p.returncode != 0 and time.time() - t0 < 120, out[-3000:]  # all stopped, none left hanging

@@ -20,25 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def measured_peak(cfg) -> int:
-    """Peak tensor bytes over three real training updates on the CPU: what exists when the meter
-    starts (weights, swap buffers, LoRA, optimizer state, the batch) plus the peak it sees."""
+    """Peak tensor bytes over three real training updates on the CPU (plan.measured_peak)."""
     family = family_of(cfg)
     src = resolve_model(cfg.model, family)
     trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
     session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=10, out=lambda s: None)
-    batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
-    buffers = []
-    if session.memory.swapper is not None:
-        for pool in session.memory.swapper._pools:
-            buffers += list(pool.hosts) + [s.buf for s in pool.slots]
-    loss_sum = torch.zeros(())
-    peak = 0
-    for i in range(3):  # the first update creates the optimizer state; later ones hold it throughout
-        base = held_bytes(session.model, session.optimizer, list(batch.values()), buffers, loss_sum)
-        with LiveBytes() as meter:
-            loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(i)), loss_sum)
-        peak = max(peak, base + meter.peak)
-    return peak
+    return plan.measured_peak(session, family.synthetic_batch(trainable, cfg.data.resolution, cfg,
+                                                              torch.device("cpu")))
 
 
 @pytest.mark.parametrize("preset,overrides", [

@@ -479,3 +479,24 @@ def smallest_change(cfg: "Config", family: Any, src: "ModelSource", budget: int,
         if peak is not None:
             return f"{text} (predicted peak allocated {fmt(peak)} GiB)"
     return None
+
+
+def measured_peak(session: Any, batch: dict[str, torch.Tensor], updates: int = 3) -> int:
+    """What the plan predicts, measured: the peak tensor bytes of ``updates`` real training updates
+    on the CPU (the first creates the optimizer state; later ones hold it throughout) -- what exists
+    when the meter starts (weights, swap buffers, LoRA, optimizer state, the batch) plus the peak
+    of what it sees made and freed. For the tests and ``benchmarks/plan_check.py``."""
+    from . import loop
+
+    buffers: list[torch.Tensor] = []
+    if session.memory.swapper is not None:
+        for pool in session.memory.swapper._pools:
+            buffers += list(pool.hosts) + [s.buf for s in pool.slots]
+    loss_sum = torch.zeros(())
+    peak = 0
+    for i in range(updates):
+        base = held_bytes(session.model, session.optimizer, list(batch.values()), buffers, loss_sum)
+        with LiveBytes() as meter:
+            loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(i)), loss_sum)
+        peak = max(peak, base + meter.peak)
+    return peak
