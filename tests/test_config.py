@@ -183,7 +183,7 @@ def test_cli_config_exit_code_and_message(tmp_path: Path) -> None:
     assert "Traceback" not in r.output
     ok = CliRunner().invoke(main, ["config", str(p), "--set", "lora.rank=4"])
     assert ok.exit_code == 0, ok.output
-    assert "[lora]\nrank = 4\nalpha = 4.0" in ok.output
+    assert "[lora]\ntype = \"lora\"\nrank = 4\nalpha = 4.0" in ok.output
 
 
 def test_every_field_has_help() -> None:

@@ -75,7 +75,7 @@ PEFT_SUFFIXES = {
     "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
     "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"),
 }
-_ADAPTER_PREFIXES = ("lora_", "hada_", "lokr_")
+ADAPTER_PREFIXES = ("lora_", "hada_", "lokr_")
 
 # ComfyUI's weight_decompose adds the eps of the weight's dtype; its normal patching is in fp32.
 COMFY_EPS = torch.finfo(torch.float32).eps
@@ -125,7 +125,7 @@ def read_peft_module(state: dict[str, Tensor], module: str, kind: str, alpha: fl
         raise ImgloraError(f"{module}: rsLoRA scaling exists for LoRA/DoRA only, not {kind}")
     head = f"{module}."
     own = {k[len(head):]: v for k, v in state.items()
-           if k.startswith(head) and k[len(head):].split(".", 1)[0].startswith(_ADAPTER_PREFIXES)}
+           if k.startswith(head) and k[len(head):].split(".", 1)[0].startswith(ADAPTER_PREFIXES)}
     if not own:
         raise ImgloraError(f"{module}: no adapter tensors in the state dict (keys {head}lora_A.weight, "
                            f"{head}hada_w1_a, {head}lokr_w1, ...)")

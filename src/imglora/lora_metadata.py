@@ -84,6 +84,7 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         "imglora.base_model_hash": _summary_hash(checksums),
         "imglora.dataset_version": rec.get("dataset_version"),
         **family.export_metadata(cfg, rec),
+        **adapter_type_metadata(cfg, sorted({m.kind for m in modules.values()})),
     }
     meta.update(base_model_hashes(rec, checksums))
     if trigger:
@@ -91,6 +92,22 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         folder = Path(cfg.data.dir or "dataset").name
         meta["ss_tag_frequency"] = json.dumps({folder: {trigger: rec.get("dataset_items") or 1}})
     return {k: str(v) for k, v in meta.items() if v is not None}
+
+
+def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
+    """What kohya and LyCORIS write for the adapter type: LoHa/LoKr are ``lycoris.kohya`` networks
+    with their ``algo``; DoRA is kohya's ``dora_wd``."""
+    lo, kind = cfg.lora, kinds[0] if len(kinds) == 1 else cfg.lora.type
+    out: dict[str, Any] = {"imglora.adapter_type": kind}
+    if kind in ("loha", "lokr"):
+        args = {"algo": kind, "conv_dim": str(lo.conv_rank), "conv_alpha": f"{lo.conv_alpha:g}",
+                "use_tucker": str(lo.effective_conv2d)}
+        if kind == "lokr":
+            args |= {"factor": str(lo.factor), "decompose_both": str(lo.decompose_both)}
+        out |= {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args)}
+    elif kind == "dora":
+        out["ss_network_args"] = json.dumps({"dora_wd": "True"})
+    return out
 
 
 def base_model_hashes(rec: dict[str, Any], checksums: dict[str, str]) -> dict[str, str]:

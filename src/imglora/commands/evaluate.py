@@ -199,7 +199,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             # grad, which changes the last bits; a model as diffusers loads it has requires_grad=True, so
             # this makes strength 0 equal the base pipeline bit for bit. Everything here runs under no_grad.
             for name, p in model.named_parameters():
-                if "lora_" not in name:
+                if not lora.is_adapter_parameter(name):
                     p.requires_grad_(True)
         sampler = family.load_sampler(src, model, cfg, device, dtype)
     settings = getattr(sampler, "settings", {})

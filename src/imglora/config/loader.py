@@ -270,8 +270,14 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
             return None
     if not sections["run"].name:
         sections["run"] = dataclasses.replace(sections["run"], name=default_name)
-    if sections["lora"].alpha == 0:
-        sections["lora"] = dataclasses.replace(sections["lora"], alpha=float(sections["lora"].rank))
+    lo = sections["lora"]
+    if lo.alpha == 0:
+        lo = dataclasses.replace(lo, alpha=float(lo.rank))
+    if lo.conv_alpha == 0:  # as lora.alpha when conv layers keep lora.rank, else scale 1 like alpha
+        lo = dataclasses.replace(lo, conv_alpha=float(lo.conv_rank) if lo.conv_rank else lo.alpha)
+    if lo.conv_rank == 0:
+        lo = dataclasses.replace(lo, conv_rank=lo.rank)
+    sections["lora"] = lo
     cfg = Config(version=raw.get("version", SCHEMA_VERSION), source=source, family=family_section,
                  notes=tuple(notes), **sections)
     _cross_checks(cfg, where, problems)
@@ -383,9 +389,27 @@ def _cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     if t.budget.max_cost and not t.budget.hourly_rate:
         problems.append(f"{where('train.budget.max_cost')}: set train.budget.hourly_rate too, or the cost "
                         "cannot be projected")
+    _adapter_checks(cfg, where, problems)
     if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")
+
+
+def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    """Each [lora] key belongs to some adapter types; one set for another type is an error, not ignored."""
+    lo, kind = cfg.lora, cfg.lora.type
+    only = {"dropout": ("lora", "dora"), "rank_dropout": ("loha", "lokr"), "module_dropout": ("loha", "lokr"),
+            "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",)}
+    unset = {"dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "effective_conv2d": False, "factor": -1,
+             "decompose_both": False}
+    for key, kinds in only.items():
+        if kind not in kinds and getattr(lo, key) != unset[key]:
+            hint = {"dropout": " (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)",
+                    "rank_dropout": " (LoRA/DoRA: lora.dropout)", "module_dropout": " (LoRA/DoRA: lora.dropout)"}
+            problems.append(f"{where(f'lora.{key}')}: applies to lora.type = {' or '.join(map(repr, kinds))} only, "
+                            f"and lora.type = {kind!r}{hint.get(key, '')}")
+    if lo.factor == 0:
+        problems.append(f"{where('lora.factor')}: must be -1 (automatic) or a positive divisor, got 0")
 
 
 def _did_you_mean(word: str, options: typing.Iterable[str]) -> str:

@@ -97,13 +97,35 @@ class CacheConfig:
         resume_safe=True)
 
 
+AdapterType = Literal["lora", "dora", "loha", "lokr"]
+
+
 @dataclass(frozen=True)
 class LoraConfig:
-    rank: int = setting(16, help="LoRA rank (dimension).", min=1, max=1024)
-    alpha: float = setting(0.0, help="LoRA alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
+    type: AdapterType = setting(
+        "lora", help="Adapter type, all through peft: lora; dora (LoRA plus a trained magnitude per output row, "
+                     "weight-decomposed); loha (LyCORIS LoHa: Hadamard product of two low-rank pairs); lokr "
+                     "(LyCORIS LoKr: Kronecker product of two factors). README: where each one loads.")
+    rank: int = setting(16, help="Adapter rank (dimension): LoRA/DoRA rank, LoHa's rank of each pair, LoKr's rank "
+                                 "of its low-rank factor(s).", min=1, max=1024)
+    alpha: float = setting(0.0, help="Adapter alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
                            min=0.0, max=65536.0)
-    dropout: float = setting(0.0, help="Dropout on the LoRA path.", min=0.0, max=0.99)
+    dropout: float = setting(0.0, help="LoRA/DoRA: dropout on the adapter's input.", min=0.0, max=0.99)
     targets: list[str] = setting([], help="Module names to adapt (peft target_modules); empty = the family's defaults.")
+    conv_rank: int = setting(0, help="Rank of the adapted Conv2d layers (LyCORIS conv_dim); 0 = lora.rank.",
+                             min=0, max=1024)
+    conv_alpha: float = setting(0.0, help="Alpha of the adapted Conv2d layers (LyCORIS conv_alpha); 0 = lora.alpha "
+                                          "if conv_rank is 0, else conv_rank.", min=0.0, max=65536.0)
+    effective_conv2d: bool = setting(
+        False, help="LoHa/LoKr on k×k Conv2d layers: the CP (Tucker) form of LyCORIS use_tucker / peft "
+                    "use_effective_conv2d, with a small core per kernel position; false = the flat form.")
+    factor: int = setting(-1, help="LoKr: the Kronecker factor (LyCORIS factor, peft decompose_factor); -1 = as "
+                                   "close to the square root of each dimension as divides it.", min=-1, max=65536)
+    decompose_both: bool = setting(False, help="LoKr: make the first (small) Kronecker factor low-rank too.")
+    rank_dropout: float = setting(0.0, help="LoHa/LoKr: dropout of whole rank components while training.",
+                                  min=0.0, max=0.99)
+    module_dropout: float = setting(0.0, help="LoHa/LoKr: probability of skipping a module's update in a forward.",
+                                    min=0.0, max=0.99)
 
 
 @dataclass(frozen=True)

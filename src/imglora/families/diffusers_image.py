@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import devices
+from ..errors import ImgloraError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -106,6 +107,50 @@ def read_adapter(family: Any, folder: Path) -> dict[str, torch.Tensor]:
     prefix = f"{family.denoiser}."
     weights = load_file(str(Path(folder) / ADAPTER_FILE))
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def base_weights(family: Any, src: "ModelSource", names: list[str]) -> dict[str, torch.Tensor]:
+    """``{"<component>.<module>": weight}`` in fp32, as ComfyUI holds the base weight it patches:
+    read from the component's safetensors in a model folder, else from the single files
+    (``family.file_base_weights``)."""
+    from ..safefiles import open_file
+
+    paths: dict[str, list[str]] = {}
+    for name in names:
+        component, path = name.split(".", 1)
+        paths.setdefault(component, []).append(path)
+    out: dict[str, torch.Tensor] = {}
+    for component, wanted in paths.items():
+        files = _weight_files(src.root / component)
+        if not files:
+            got = family.file_base_weights(src, component, wanted)
+        else:
+            got = {}
+            for path in wanted:
+                key = f"{path}.weight"
+                if key not in files:
+                    raise ImgloraError(f"{src.root / component}: no weight {key} for the adapted module {component}.{path}")
+                with open_file(files[key]) as r:
+                    got[path] = r.get(key, torch.float32)
+        out.update({f"{component}.{path}": w for path, w in got.items()})
+    return out
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """{key: file} of a diffusers / transformers component folder's safetensors (sharded or not)."""
+    import json
+
+    from ..safefiles import open_file
+
+    for stem in ("diffusion_pytorch_model", "model"):
+        index = folder / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        single = folder / f"{stem}.safetensors"
+        if single.is_file():
+            with open_file(single) as r:
+                return {k: single for k in r.keys}
+    return {}
 
 
 # -- the evaluation pass ---------------------------------------------------------------------------

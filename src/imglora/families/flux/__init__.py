@@ -55,6 +55,7 @@ class FluxFamily:
     collate = common.collate
     save_adapter = common.save_adapter
     read_adapter = common.read_adapter
+    base_weights = common.base_weights
     default_prompts = common.default_prompts
     encode_prompts = common.encode_prompts
 
@@ -141,8 +142,12 @@ class FluxFamily:
         return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=3.5)
 
     # -- export -----------------------------------------------------------------------------
-    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
-        return keys.tensors(modules, fmt)
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

@@ -46,6 +46,7 @@ class SdxlFamily:
     collate = common.collate
     save_adapter = common.save_adapter
     read_adapter = common.read_adapter
+    base_weights = common.base_weights
     default_prompts = common.default_prompts
     encode_prompts = common.encode_prompts
 
@@ -125,8 +126,12 @@ class SdxlFamily:
                                         scheduler_overrides=model.scheduler_overrides(src, cfg))
 
     # -- export -----------------------------------------------------------------------------
-    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
-        return keys.tensors(modules, fmt)
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)
