@@ -56,6 +56,7 @@ class Family(Protocol):
     lora_scope: str  # regex prefix limiting lora_targets ("" = anywhere)
     quantize_exclude: tuple[str, ...]  # module patterns kept in high precision under fp8 / 4-bit
     quantizations: tuple[str, ...]  # 4-bit kinds (memory.quantization) it supports
+    adapter_types: tuple[str, ...]  # lora.type values it trains, saves and exports
 
     def check_config(self, cfg: "Config", where: Callable[[str], str], problems: list[str]) -> None: ...
     def build_tiny(self, dest: Path, seed: int) -> None: ...  # a tiny random model in the real on-disk layout

@@ -54,6 +54,9 @@ class Registry:
             able = [n for n in FAMILIES if FAMILIES[n].quantizations]
             problems.append(f"{where('memory.quantization')}: 4-bit quantization is for the {', '.join(able)} "
                             f"family; the {name} family uses memory.fp8")
+        if cfg.lora.type not in family.adapter_types:
+            problems.append(f"{where('lora.type')}: the {name} family trains {', '.join(family.adapter_types)} "
+                            f"adapters, not {cfg.lora.type}")
         family.check_config(cfg, where, problems)
 
 

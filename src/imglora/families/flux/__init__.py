@@ -41,6 +41,7 @@ class FluxFamily:
     lora_scope = r"(transformer_blocks|single_transformer_blocks)\.\d+\."
     quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
+    adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     swappable_blocks = swap.BLOCK_LISTS
     streams_blocks = True  # the transformer is read block by block (stream.py): plan's host-RAM term
     export_formats = keys.FORMATS

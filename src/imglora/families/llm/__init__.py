@@ -42,6 +42,7 @@ class LlmFamily:
     lora_scope = ""
     quantize_exclude = ("lm_head", "*embed_tokens*")
     quantizations = ("qint4", "nf4")
+    adapter_types = ("lora",)
 
     def __init__(self) -> None:
         self.pad_id = 0  # set from the tokenizer by prepare_data; padded positions are masked anyway

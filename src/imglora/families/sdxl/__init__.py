@@ -33,6 +33,7 @@ class SdxlFamily:
     lora_scope = ""
     quantize_exclude = ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
     quantizations: tuple[str, ...] = ()
+    adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     export_formats = keys.FORMATS
     pipeline = "StableDiffusionXLPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "unet"  # its subfolder and the adapter keys' prefix
