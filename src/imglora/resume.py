@@ -7,12 +7,13 @@ dataset's content, that a new run does not write into a folder holding an earlie
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import checkpoint, lora
+from . import checkpoint, lora, optimizers
 from .errors import ImgloraError
 
 if TYPE_CHECKING:
@@ -30,19 +31,26 @@ def refuse_existing_run(run_dir: Path, command: str) -> None:
 
 
 def check_dependencies(cfg: "Config") -> None:
-    """Settings that need bitsandbytes (and CUDA) fail before any model is loaded."""
-    needs = [(cfg.train.optimizer == "adamw8bit", 'train.optimizer = "adamw8bit"', 'train.optimizer = "adamw"'),
-             (cfg.memory.quantization == "nf4", 'memory.quantization = "nf4"', 'memory.quantization = "qint4"')]
-    for wanted, setting, instead in needs:
-        if not wanted:
-            continue
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise ImgloraError(f"{setting} needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or set "
-                               f"{instead}") from None
-        if not torch.cuda.is_available():
-            raise ImgloraError(f"{setting} needs a CUDA GPU; on this machine set {instead}")
+    """Packages the settings need, all named in one error with the one ``pip install`` that brings
+    them, before any model is loaded; nf4 also needs CUDA."""
+    from importlib.util import find_spec
+
+    needs: list[tuple[str, str]] = []  # (setting, package)
+    if package := optimizers.missing_package(cfg):
+        needs.append((f'train.optimizer = "{cfg.train.optimizer}"', package))
+    for tracker in cfg.run.log_with:
+        if find_spec(tracker) is None:
+            needs.append((f'run.log_with = {json.dumps(list(cfg.run.log_with))}', tracker))
+    nf4 = cfg.memory.quantization == "nf4"
+    if nf4 and find_spec("bitsandbytes") is None:
+        needs.append(('memory.quantization = "nf4"', "bitsandbytes"))
+    if needs:
+        what = "; ".join(f"{setting} needs {package}" for setting, package in needs)
+        packages = " ".join(dict.fromkeys(package for _, package in needs))
+        raise ImgloraError(f"{what}: `pip install {packages}`" + (', or set memory.quantization = "qint4"' if nf4 else ""))
+    if nf4 and not torch.cuda.is_available():
+        raise ImgloraError('memory.quantization = "nf4" needs a CUDA GPU; on this machine set memory.quantization = '
+                           '"qint4"')
 
 
 def resume_point(run_dir: Path, cfg: "Config", families: Any) -> dict[str, Any]:
@@ -85,7 +93,17 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
     if state.get("total_updates") not in (None, total):
         raise checkpoint.ResumeRefused(f"--resume refused: {path} belongs to a run of {state['total_updates']} "
                                        f"updates, this one would have {total}")
+    if session.ema is not None:
+        if state["ema_dir"] is None:
+            raise checkpoint.ResumeRefused(f"--resume refused: {path} holds no moving average (adapter_ema/), but "
+                                           "train.ema is on")
+        lora.load_adapter_state(session.model, family.read_adapter(state["ema_dir"]))
+        session.ema.load(session.params)
     lora.load_adapter_state(session.model, family.read_adapter(state["adapter_dir"]))
+    if state["train_params"] is not None:  # the weights a schedule-free optimizer steps (the adapter: its average)
+        with torch.no_grad():
+            for i, p in enumerate(session.params):
+                p.copy_(state["train_params"][str(i)])
     session.optimizer.load_state_dict(state["optimizer_state"])
     session.scheduler.load_state_dict(state["scheduler"])
     out(f"resuming from {path} (update {state['step']})")
