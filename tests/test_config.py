@@ -252,7 +252,9 @@ def test_adapter_type_keys_belong_to_their_types(tmp_path: Path) -> None:
         load_config(p, ['lora.type="lokr"', "lora.factor=0"])
     with pytest.raises(ConfigError, match="the llm family trains lora adapters, not dora"):
         load_config(REPO / "presets" / "tiny-llm.toml", ['lora.type="dora"'])
+    from imglora.lora import conv_settings
+
     cfg = load_config(p, ['lora.type="lokr"', "lora.rank=8", "lora.alpha=4", "lora.conv_rank=2"])
-    assert (cfg.lora.conv_rank, cfg.lora.conv_alpha) == (2, 2.0)  # conv alpha: conv_rank (scale 1) when unset
+    assert conv_settings(cfg.lora) == (2, 2.0)  # conv alpha: conv_rank (scale 1) when unset
     cfg = load_config(p, ["lora.rank=8", "lora.alpha=4"])
-    assert (cfg.lora.conv_rank, cfg.lora.conv_alpha) == (8, 4.0)  # conv layers as the others
+    assert conv_settings(cfg.lora) == (8, 4.0)  # conv layers as the others

@@ -31,7 +31,7 @@ import torch
 from . import adapter_forms as af
 from . import atomic
 from . import comfyui as comfy
-from .checkpoint import list_checkpoints
+from .checkpoint import EMA_DIR, list_checkpoints
 from .devices import DTYPES
 from .errors import ImgloraError
 from .record import read_records
@@ -128,18 +128,23 @@ def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *
 # ---------------------------------------------------------------------------------------------
 
 
-def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytorch_lora_weights.safetensors") -> Source:
-    """The adapter to export: the final one, the newest checkpoint, or the checkpoint of a step."""
+def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytorch_lora_weights.safetensors",
+                weights: str = "auto") -> Source:
+    """The adapter to export: the final one, the newest checkpoint, or the checkpoint of a step;
+    ``weights``: "raw" (the trained weights), "ema" (train.ema's moving average, ``adapter_ema/``),
+    or "auto" (the moving average when the run kept one)."""
     if not run_dir.is_dir():
         raise ImgloraError(f"{run_dir}: no such run folder; give the folder `imglora train` wrote (runs/<name>)")
-    final = run_dir / "adapter" / adapter_file
-    ckpts = [(step, path) for step, path in list_checkpoints(run_dir) if (path / "adapter" / adapter_file).is_file()]
     records = read_records(run_dir, "train")
     record = records[-1] if records else {}
+    folder = weights_folder(weights, record.get("config", {}), run_dir)
+    final = run_dir / folder / adapter_file
+    ckpts = [(step, path) for step, path in list_checkpoints(run_dir) if (path / folder / adapter_file).is_file()]
     finished = [r for r in records if r.get("adapter")]
     final_step = finished[-1].get("steps_done") if finished else None
     which = str(which).strip().lower()
     available = ", ".join(str(s) for s, _ in ckpts) or "none"
+    label = ", moving average (train.ema)" if folder == EMA_DIR else ""
 
     if which == "latest":
         # The final adapter unless a resumed run got further and was stopped before its end.
@@ -157,7 +162,7 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
         if not record:
             raise ImgloraError(f"{run_dir}/records holds no train record, so the run's settings (family, rank, "
                                "alpha) are unknown; export a checkpoint instead, or re-run `imglora train`.")
-        label = "final adapter" + (f" (step {final_step})" if final_step is not None else "")
+        label = "final adapter" + (f" (step {final_step})" if final_step is not None else "") + label
         return Source(final, final_step, label, record["config"], record)
     if not which.isdigit():
         raise ImgloraError(f"--checkpoint {which}: give a step number, 'latest' or 'final'")
@@ -165,8 +170,21 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
     for s, path in ckpts:
         if s == step:
             state = json.loads((path / "state.json").read_text())
-            return Source(path / "adapter" / adapter_file, step, f"checkpoint step {step}", state["config"], record)
+            return Source(path / folder / adapter_file, step, f"checkpoint step {step}{label}", state["config"], record)
     raise ImgloraError(f"{run_dir} has no checkpoint for step {step}; available steps: {available}")
+
+
+def weights_folder(weights: str, config: dict[str, Any], run_dir: Path) -> str:
+    """``adapter`` or ``adapter_ema`` for ``--weights raw|ema|auto`` (auto: ema when the run kept one)."""
+    ema = bool(config.get("train", {}).get("ema"))
+    if weights == "auto":
+        return EMA_DIR if ema else "adapter"
+    if weights == "ema" and not ema and not (run_dir / EMA_DIR).is_dir():
+        raise ImgloraError(f"--weights ema: {run_dir} was trained without train.ema, so it has no moving average; "
+                           "use --weights raw")
+    if weights not in ("raw", "ema"):
+        raise ImgloraError(f"--weights {weights}: choose raw, ema or auto")
+    return EMA_DIR if weights == "ema" else "adapter"
 
 
 _BAD_NAME = re.compile(r'[<>:"/\\|?*\x00-\x1f]')

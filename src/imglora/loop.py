@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from . import devices, lora
-from .errors import ImgloraError
+from . import devices, lora, optimizers
+from .ema import Ema, swapped
 from .memory.wrap import MemorySetup, apply_memory
 
 if TYPE_CHECKING:
@@ -36,7 +36,10 @@ class Session:
     scheduler: Any | None
     accum: int
     max_grad_norm: float
+    ema: Ema | None = None  # train.ema: the moving average of ``params``
+    modes: bool = False  # the optimizer has train/eval modes (schedule-free): see eval_weights
     stage: str = "setup"  # what ``step`` is doing: "forward", "backward", "optimizer" (for failure reports)
+    grad_norm: torch.Tensor | None = None  # the last update's gradient norm (before clipping), on the device
 
     @property
     def device(self) -> torch.device:
@@ -47,11 +50,13 @@ class Session:
         return self.accelerator.unwrap_model(self.trainable.model)
 
 
-def accelerator_for(cfg: "Config") -> Any:
-    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU)."""
+def accelerator_for(cfg: "Config", trackers: list[Any] | None = None) -> Any:
+    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU) and
+    the experiment trackers given (``trackers.for_run``)."""
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision=devices.mixed_precision(cfg, devices.default_device()))
+    return Accelerator(mixed_precision=devices.mixed_precision(cfg, devices.default_device()),
+                       log_with=trackers or None)
 
 
 def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device,
@@ -75,12 +80,16 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
     optimizer = make_optimizer(cfg, params)
+    modes = optimizers.has_modes(optimizer)
     scheduler = make_scheduler(cfg, optimizer, total) if total is not None else None
+    ema = None
+    if cfg.train.ema:
+        ema = Ema(params, cfg.train.ema_decay, "cpu" if cfg.memory.ema_on_cpu else None)
     # The swap engine places the model's tensors itself; accelerate must not move them again.
     trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
                                                      device_placement=[memory.swapper is None, True])
     return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
-                   cfg.train.max_grad_norm)
+                   cfg.train.max_grad_norm, ema, modes)
 
 
 def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, torch.Tensor],
@@ -102,12 +111,35 @@ def step(s: Session, micro_batches: Iterable[dict[str, torch.Tensor]], generator
         s.accelerator.backward(loss)
         loss_sum += loss.detach()
     s.stage = "optimizer"
-    if s.max_grad_norm:
-        s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm)
+    # The norm comes with clipping; without it (max norm inf) the gradients are multiplied by 1.0, exactly.
+    s.grad_norm = s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
     s.optimizer.step()
     if s.scheduler is not None:
         s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def eval_weights(s: Session) -> Iterator[None]:
+    """The weights to save or evaluate, in the model for the duration. Schedule-free optimizers step
+    weights that are not the ones to use: their eval mode puts the averaged weights in; afterwards
+    the weights they step are put back bit for bit (a train/eval round trip is not exact, and
+    checkpoints and validation must not change the run). Other optimizers: the weights as they are."""
+    if not s.modes:
+        yield
+        return
+    with swapped(s.params, [p.detach().clone() for p in s.params]):  # put back the stepped weights after
+        s.optimizer.eval()
+        try:
+            yield
+        finally:
+            s.optimizer.train()
+
+
+def ema_weights(s: Session) -> contextlib.AbstractContextManager[None]:
+    """train.ema's moving average in the model for the duration; the trained weights are put back after."""
+    assert s.ema is not None
+    return swapped(s.params, s.ema.shadow)
 
 
 @torch.no_grad()
@@ -131,22 +163,8 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def make_optimizer(cfg: "Config", params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    t = cfg.train
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                 weight_decay=t.weight_decay)
-    if t.optimizer == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=t.learning_rate, relative_step=False, scale_parameter=False, warmup_init=False,
-                         weight_decay=t.weight_decay)
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise ImgloraError("train.optimizer = \"adamw8bit\" needs bitsandbytes: `pip install bitsandbytes` "
-                           "(CUDA only), or set train.optimizer = \"adamw\"") from None
-    return bnb.optim.AdamW8bit(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                               weight_decay=t.weight_decay)
+    """``train.optimizer`` by name with ``train.optimizer_args`` (see :mod:`imglora.optimizers`)."""
+    return optimizers.make(cfg, params)
 
 
 def make_scheduler(cfg: "Config", optimizer: torch.optim.Optimizer, total: int) -> Any:

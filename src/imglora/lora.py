@@ -61,14 +61,22 @@ def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | N
                       use_effective_conv2d=s.effective_conv2d, target_modules=targets, init_weights=True)
         config = (LoHaConfig(**common) if s.type == "loha" else
                   LoKrConfig(**common, decompose_both=s.decompose_both, decompose_factor=s.factor))
-    if model is not None and (s.conv_rank, s.conv_alpha) != (s.rank, s.alpha):
+    conv_rank, conv_alpha = conv_settings(s)
+    if model is not None and (conv_rank, conv_alpha) != (s.rank, s.alpha):
         from peft.tuners.tuners_utils import check_target_module_exists
 
         convs = [re.escape(name) for name, m in model.named_modules()
                  if isinstance(m, nn.Conv2d) and check_target_module_exists(config, name)]
-        config.rank_pattern = {n: s.conv_rank for n in convs} if s.conv_rank != s.rank else {}
-        config.alpha_pattern = {n: s.conv_alpha for n in convs} if s.conv_alpha != s.alpha else {}
+        config.rank_pattern = {n: conv_rank for n in convs} if conv_rank != s.rank else {}
+        config.alpha_pattern = {n: conv_alpha for n in convs} if conv_alpha != s.alpha else {}
     return config
+
+
+def conv_settings(s: "LoraSettings") -> tuple[int, float]:
+    """(rank, alpha) of the adapted Conv2d layers: lora.conv_rank / conv_alpha, where 0 means as
+    lora.rank, and as lora.alpha when conv layers keep lora.rank (else conv_rank: scale 1)."""
+    rank = s.conv_rank or s.rank
+    return rank, s.conv_alpha or (float(s.conv_rank) if s.conv_rank else s.alpha)
 
 
 def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: int) -> Any:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .lora import conv_settings
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         "imglora.format": fmt,
         "imglora.run": cfg.run.name,
         "imglora.source": source.label,
+        "imglora.weights": "ema" if source.path.parent.name == "adapter_ema" else "raw",
         "imglora.base_model": cfg.model.path,
         "imglora.base_model_checksums": json.dumps(checksums, sort_keys=True, separators=(",", ":"))
                                         if checksums else None,
@@ -100,7 +102,8 @@ def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
     lo, kind = cfg.lora, kinds[0] if len(kinds) == 1 else cfg.lora.type
     out: dict[str, Any] = {"imglora.adapter_type": kind}
     if kind in ("loha", "lokr"):
-        args = {"algo": kind, "conv_dim": str(lo.conv_rank), "conv_alpha": f"{lo.conv_alpha:g}",
+        conv_rank, conv_alpha = conv_settings(lo)
+        args = {"algo": kind, "conv_dim": str(conv_rank), "conv_alpha": f"{conv_alpha:g}",
                 "use_tucker": str(lo.effective_conv2d)}
         if kind == "lokr":
             args |= {"factor": str(lo.factor), "decompose_both": str(lo.decompose_both)}

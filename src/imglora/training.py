@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from safetensors.torch import save_file
 
-from . import atomic, checkpoint, devices, economics, loop, oom, plan, record, resume, runlog, telemetry
+from . import (atomic, checkpoint, devices, economics, loop, oom, optimizers, plan, record, resume, runlog, telemetry,
+               trackers)
 from .data.batches import Batcher
 from .errors import ImgloraError
 from .memory.wrap import check_swap_counts
@@ -63,7 +65,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     check_swap_counts(family, src, cfg)
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
-    accelerator = loop.accelerator_for(cfg)
+    accelerator = loop.accelerator_for(cfg, trackers.for_run(cfg, run_dir))
     if accelerator.num_processes > 1:
         raise ImgloraError("multi-GPU training (accelerate launch with more than one process) is not supported "
                            "yet: run one process per GPU with different runs, or a single process")
@@ -79,7 +81,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         # -- setup: data first (encoders are loaded only for missing entries, then freed) ------
         with rec.phase("cache"), stages("caching"):
             data = family.prepare_data(cfg, src, device)
-        for w in data.warnings:
+        for w in [*data.warnings, *filter(None, [optimizers.note(cfg)])]:
             out(f"warning: {w}")
         out(f"data: {data.summary}")
         with rec.phase("load_model"):
@@ -116,6 +118,8 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
                 micro = range((step - 1) * accum, step * accum)
                 loop.step(session, (batcher.batch(i, device) for i in micro), gen, run.loss_sum)
                 run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+                if session.ema is not None and step % cfg.train.ema_every == 0:
+                    session.ema.update(session.params)
                 if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
                     run.log(step)  # a sync point, once per log
                 if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
@@ -140,7 +144,7 @@ class _Run:
         self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
         self.log_path = self.run_dir / "log.jsonl"
         self.history = runlog.read(self.log_path, upto=start)
-        self.tb = runlog.tensorboard(self.run_dir)
+        self.trackers = trackers.start(session.accelerator, cfg, "train")
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
         self.loss_sum = torch.zeros((), device=self.device)
@@ -165,14 +169,17 @@ class _Run:
         self.last_log_t, self.last_log_step = now, step
         self.check_finite()
         mem = telemetry.memory(self.device)
+        grad_norm = float(self.s.grad_norm) if self.s.grad_norm is not None else None
         row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
-               "sec_per_update": per_update, "peak_allocated": mem["peak_allocated"],
+               "sec_per_update": per_update, "grad_norm": grad_norm, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
         self.history.append(row)
         runlog.append(self.log_path, row)
-        if self.tb:
-            self.tb.add_scalar("loss", loss_value, step)
-            self.tb.add_scalar("lr", row["lr"], step)
+        if self.trackers:
+            self.trackers.scalars({"train/loss": loss_value, "train/lr": row["lr"], "train/sec_per_update": per_update,
+                                   "train/grad_norm": grad_norm, "train/peak_allocated": mem["peak_allocated"],
+                                   "train/peak_reserved": mem["peak_reserved"], "train/peak_rss": mem["peak_rss"]},
+                                  step)
         self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
         budget = self.cfg.train.budget
         if self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps and \
@@ -194,21 +201,35 @@ class _Run:
 
     def validate(self, step: int) -> None:
         s = self.s
-        with self.stages("evaluation"):
+        with self.stages("evaluation"), loop.eval_weights(s):
             val = loop.validation_loss(s.trainable, s.memory, self.data.validation, self.family.collate,
                                        self.device, self.cfg.train.seed, s.accelerator.autocast)
         self.history.append({"step": step, "val_loss": val, "time": time.time()})
+        if self.trackers:
+            self.trackers.scalars({"val/loss": val}, step)
         runlog.append(self.log_path, self.history[-1])
         self.out(f"  validation loss at update {step}: {val:.4f} ({len(self.data.validation)} held-out examples)")
 
-    def write_adapter(self, folder: Path) -> Path:
-        return self.family.save_adapter(self.s.model, self.s.lora_config, folder)
+    def write_adapter(self, folder: Path, ema: bool = False) -> Path:
+        """The adapter to use (schedule-free: its averaged weights), or train.ema's moving average."""
+        with loop.ema_weights(self.s) if ema else loop.eval_weights(self.s):
+            return self.family.save_adapter(self.s.model, self.s.lora_config, folder)
+
+    def write_weights(self, folder: Path) -> None:
+        """A checkpoint's weights: the adapter, the moving average, and the weights a schedule-free
+        optimizer steps (what resuming needs beside the adapter)."""
+        self.write_adapter(folder / "adapter")
+        if self.s.ema is not None:
+            self.write_adapter(folder / checkpoint.EMA_DIR, ema=True)
+        if self.s.modes:
+            save_file({str(i): p.detach().cpu().contiguous() for i, p in enumerate(self.s.params)},
+                      str(folder / checkpoint.TRAIN_PARAMS))
 
     def checkpoint(self, step: int) -> Path:
         self.check_finite()
         t0 = time.perf_counter()
         with self.rec.phase("checkpoints"), self.stages("checkpoint saving"):
-            path = checkpoint.save(self.run_dir, step, write_adapter=self.write_adapter, optimizer=self.s.optimizer,
+            path = checkpoint.save(self.run_dir, step, write_weights=self.write_weights, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
                                    extra={"dataset_version": self.data.version, "total_updates": self.total})
@@ -244,9 +265,12 @@ class _Run:
         if not interrupted:
             with atomic.atomic_dir(self.run_dir / "adapter") as tmp, self.stages("checkpoint saving"):
                 adapter = self.run_dir / "adapter" / self.write_adapter(tmp).relative_to(tmp)
+            if self.s.ema is not None:
+                with atomic.atomic_dir(self.run_dir / checkpoint.EMA_DIR) as tmp, self.stages("checkpoint saving"):
+                    self.write_adapter(tmp, ema=True)
         runlog.plot_loss(self.history, self.run_dir / "loss.png")
-        if self.tb:
-            self.tb.close()
+        if self.trackers:
+            self.trackers.close()
         targets = self.s.lora_config.target_modules
         rec.set(finish_seconds=round(time.perf_counter() - t_finish, 3))
         rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),

@@ -270,14 +270,8 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
             return None
     if not sections["run"].name:
         sections["run"] = dataclasses.replace(sections["run"], name=default_name)
-    lo = sections["lora"]
-    if lo.alpha == 0:
-        lo = dataclasses.replace(lo, alpha=float(lo.rank))
-    if lo.conv_alpha == 0:  # as lora.alpha when conv layers keep lora.rank, else scale 1 like alpha
-        lo = dataclasses.replace(lo, conv_alpha=float(lo.conv_rank) if lo.conv_rank else lo.alpha)
-    if lo.conv_rank == 0:
-        lo = dataclasses.replace(lo, conv_rank=lo.rank)
-    sections["lora"] = lo
+    if sections["lora"].alpha == 0:
+        sections["lora"] = dataclasses.replace(sections["lora"], alpha=float(sections["lora"].rank))
     cfg = Config(version=raw.get("version", SCHEMA_VERSION), source=source, family=family_section,
                  notes=tuple(notes), **sections)
     _cross_checks(cfg, where, problems)
@@ -340,6 +334,10 @@ def _check_value(value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> tuple[s
             if err:
                 return f"item {i}: {err}", None
         return None, [float(v) if item_tp is float else v for v in value]
+    if origin is dict:  # a table passed through as it is (e.g. train.optimizer_args)
+        if not isinstance(value, dict):
+            return f"expected a table such as {{d_coef = 2}}, got {_describe(value)}", None
+        return None, dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return None, value
@@ -390,6 +388,12 @@ def _cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
         problems.append(f"{where('train.budget.max_cost')}: set train.budget.hourly_rate too, or the cost "
                         "cannot be projected")
     _adapter_checks(cfg, where, problems)
+    from .. import optimizers
+
+    optimizers.check(cfg, where, problems)
+    if t.ema and optimizers.is_schedule_free(t.optimizer):
+        problems.append(f"{where('train.ema')}: a schedule-free optimizer already averages its iterates (its eval "
+                        "weights are what is saved); train.ema on top is not supported")
     if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")

@@ -33,6 +33,8 @@ def setting(default: Any = REQUIRED, help: str = "", *, min: float | None = None
             "moved_from": moved_from}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda d=tuple(default.items()): dict(d), metadata=meta)
     if default is REQUIRED:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -147,8 +149,13 @@ class TrainConfig:
     epochs: int = setting(0, help="Passes over the dataset (with repeats), used when max_steps = 0.",
                           min=0, max=100_000)
     learning_rate: float = setting(1e-4, help="Peak learning rate.", min=0.0, max=1.0, min_exclusive=True)
-    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = setting(
-        "adamw", help="adamw (torch), adamw8bit (bitsandbytes) or adafactor (transformers).")
+    optimizer: str = setting(
+        "adamw", help="adamw (torch), adafactor (transformers), adamw8bit, paged_adamw8bit, lion8bit (bitsandbytes), "
+                      "prodigy (prodigyopt: learning_rate 1.0), schedulefree_adamw (schedulefree), any torch.optim "
+                      "class (SGD, RAdam, ...), or a dotted path to an optimizer class.")
+    optimizer_args: dict[str, Any] = setting(
+        {}, help="Keyword arguments for the optimizer, passed through as given and overriding adam_*/weight_decay, "
+                 "e.g. {d_coef = 2, safeguard_warmup = true} for prodigy.")
     weight_decay: float = setting(0.01, help="Decoupled weight decay.", min=0.0, max=1.0)
     adam_beta1: float = setting(0.9, help="AdamW beta1.", min=0.0, max=0.99999)
     adam_beta2: float = setting(0.999, help="AdamW beta2.", min=0.0, max=0.99999)
@@ -173,6 +180,11 @@ class TrainConfig:
     log_every: int = setting(10, help="Log loss and timing every N updates (each log is a host-device sync).",
                              min=1, max=100_000, resume_safe=True)
     eval_after: bool = setting(False, help="Run `imglora eval` in a fresh process after training.", resume_safe=True)
+    ema: bool = setting(False, help="Also keep an exponential moving average of the adapter weights (saved beside "
+                                    "them as adapter_ema/; export and eval choose with --weights ema|raw).")
+    ema_decay: float = setting(0.999, help="EMA: ema = decay * ema + (1 - decay) * weights at each EMA update.",
+                               min=0.0, max=1.0, min_exclusive=True)
+    ema_every: int = setting(1, help="EMA: update it every N optimizer updates.", min=1, max=100_000)
     budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Budget guard."})
 
 
@@ -195,6 +207,9 @@ class MemoryConfig:
                                          "buffer per block shape (slots = swap_prefetch + 1). Raise it when a "
                                          "block's copy takes longer than its compute (bench-swap shows the stall).",
                                  min=1, max=8, resume_safe=True)
+    ema_on_cpu: bool = setting(False, help="With train.ema: keep the moving average in host memory (one device-to-host "
+                                           "copy of the adapter per EMA update) instead of beside the weights.",
+                               resume_safe=True)
     vram_budget: float = setting(0.0, help="GiB of GPU memory this run may use; > 0: `imglora train` refuses a "
                                            "setting `imglora plan` predicts not to fit, naming the smallest change "
                                            "that fits. 0 = no check.", min=0.0, max=100_000.0, resume_safe=True)
@@ -234,6 +249,15 @@ class ExportConfig:
 class RunConfig:
     name: str = setting("", help="Run folder name; empty = the preset's file name.", resume_safe=True)
     output_dir: str = setting("runs", help="Parent folder of run folders.", resume_safe=True)
+    log_with: list[Literal["tensorboard", "wandb"]] = setting(
+        [], help="Experiment trackers (through accelerate): tensorboard (events in <run>/tensorboard), wandb (offline "
+                 "unless run.wandb_mode = \"online\"). Training logs loss, lr, seconds per update, peak memory and "
+                 "grad norm; `imglora eval` adds its contact sheets and held-out loss to the same run.",
+        resume_safe=True)
+    wandb_mode: Literal["offline", "online"] = setting(
+        "offline", help="offline: wandb writes <run>/wandb/ only (`wandb sync` uploads it later); online needs "
+                        "network and a login.", resume_safe=True)
+    wandb_project: str = setting("imglora", help="The wandb project.", resume_safe=True)
 
 
 SECTIONS: dict[str, type] = {
