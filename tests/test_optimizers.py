@@ -83,8 +83,8 @@ def test_each_optimizer_continues_bit_for_bit_from_its_saved_state(name: str) ->
 
 
 def test_arguments_reach_the_optimizer_and_override_the_adam_settings() -> None:
-    cfg = cfg_for("prodigy", {"d_coef": 2.0, "safeguard_warmup": True, "betas": [0.95, 0.99]}, "train.learning_rate=1.0",
-                  "train.weight_decay=0.02")
+    cfg = cfg_for("prodigy", {"d_coef": 2.0, "safeguard_warmup": True, "betas": [0.95, 0.99]},
+                  "train.learning_rate=1.0", "train.weight_decay=0.02")
     group = optimizers.make(cfg, params()).param_groups[0]
     assert group["d_coef"] == 2.0 and group["safeguard_warmup"] is True and list(group["betas"]) == [0.95, 0.99]
     assert group["lr"] == 1.0 and group["weight_decay"] == 0.02 and group["eps"] == cfg.train.adam_eps
@@ -134,8 +134,9 @@ def test_a_missing_package_is_one_error_naming_the_pip_install(small_run, monkey
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,args", [("prodigy", "{d_coef = 1.5, safeguard_warmup = true, use_bias_correction = true}"),
-                                       ("schedulefree_adamw", "{warmup_steps = 1}")])
+@pytest.mark.parametrize("name,args", [
+    ("prodigy", "{d_coef = 1.5, safeguard_warmup = true, use_bias_correction = true}"),
+    ("schedulefree_adamw", "{warmup_steps = 1}")])
 def test_run_resumes_bit_for_bit(small_run, name, args) -> None:
     """With validation every update (schedule-free switches to its eval mode and back for it)."""
     needs(NAMES[name][1])

@@ -18,6 +18,7 @@ import torch
 
 from . import devices, lora, optimizers
 from .ema import Ema, swapped
+from .memory.fp8 import to_device
 from .memory.wrap import MemorySetup, apply_memory
 
 if TYPE_CHECKING:
@@ -66,20 +67,53 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
     Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
     """
     lora_config = lora.inject(trainable.model, family, cfg.lora, cfg.train.seed)
-    for p in lora.trainable_parameters(trainable.model):
-        p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
+    encoders = text_encoders(trainable)
+    if encoders:  # lora.text_encoder: the same adapter on them; they stay in their dtype, on the device
+        trainable.text_configs = lora.inject_text_encoders(encoders, family, cfg.lora, cfg.train.seed)
+        for encoder in encoders.values():
+            to_device(encoder, device)
+    for module in (trainable.model, *encoders.values()):
+        for p in lora.trainable_parameters(module):
+            p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
     return lora_config, apply_memory(trainable.model, family, cfg, device, out, blocks_to_swap)  # fp8, swap, device
+
+
+def text_encoders(trainable: "Trainable") -> dict[str, torch.nn.Module]:
+    """The text encoders trained with the denoiser (lora.text_encoder), by component; {} without."""
+    return getattr(trainable, "text_encoders", None) or {}
+
+
+def text_adapters(trainable: "Trainable") -> dict[str, tuple[torch.nn.Module, Any]]:
+    """{component: (text encoder, its peft config)}, for Family.save_adapter."""
+    return {part: (encoder, trainable.text_configs[part]) for part, encoder in text_encoders(trainable).items()}
+
+
+def load_adapter(model: torch.nn.Module, trainable: "Trainable", family: "Family", folder: Any) -> None:
+    """A saved adapter's weights into ``model`` (the denoiser) and the text encoders trained with it."""
+    lora.load_adapter_state(model, family.read_adapter(folder))
+    for part, encoder in text_encoders(trainable).items():
+        lora.load_adapter_state(encoder, family.read_adapter(folder, part))
 
 
 def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accelerator: Any, *, total: int | None,
                   out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> Session:
     """LoRA, memory features, optimizer and (with ``total`` updates) the learning-rate schedule."""
     lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out, blocks_to_swap)
+    encoders = text_encoders(trainable)
     if accelerator.mixed_precision in ("bf16", "fp16"):  # every forward of a session runs under autocast
-        lora.keep_input_dtype(trainable.model)
+        for module in (trainable.model, *encoders.values()):
+            lora.keep_input_dtype(module)
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
-    optimizer = make_optimizer(cfg, params)
+    groups: list[Any] = params
+    if encoders:  # their adapter in a parameter group of its own, at train.text_encoder_lr
+        for encoder in encoders.values():
+            encoder.train()
+        text_params = [p for e in encoders.values() for p in lora.trainable_parameters(e)]
+        text_lr = cfg.train.text_encoder_lr or cfg.train.learning_rate
+        groups = [{"params": params}, {"params": text_params, "lr": text_lr}]
+        params = params + text_params
+    optimizer = make_optimizer(cfg, groups)
     modes = optimizers.has_modes(optimizer)
     scheduler = make_scheduler(cfg, optimizer, total) if total is not None else None
     ema = None
@@ -162,7 +196,7 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
-def make_optimizer(cfg: "Config", params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: "Config", params: list[Any]) -> torch.optim.Optimizer:
     """``train.optimizer`` by name with ``train.optimizer_args`` (see :mod:`imglora.optimizers`)."""
     return optimizers.make(cfg, params)
 

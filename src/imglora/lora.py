@@ -43,16 +43,18 @@ def is_adapter_parameter(name: str) -> bool:
     return any(part.startswith(ADAPTER_PREFIXES) for part in name.split("."))
 
 
-def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | None = None) -> Any:
+def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | None = None,
+                targets: str | list[str] | None = None) -> Any:
     """The peft config of ``lora.type``: LoraConfig (``use_dora`` for DoRA), LoHaConfig or LoKrConfig.
 
     With ``model``, the adapted Conv2d layers get ``lora.conv_rank`` / ``lora.conv_alpha`` through
-    peft's ``rank_pattern`` / ``alpha_pattern`` (one exact, escaped module name each).
+    peft's ``rank_pattern`` / ``alpha_pattern`` (one exact, escaped module name each). ``targets``:
+    peft target_modules other than the family's (e.g. a text encoder's).
     """
     from peft import LoHaConfig, LoKrConfig, LoraConfig
 
     s = settings
-    targets = target_pattern(family, s.targets)
+    targets = target_pattern(family, s.targets) if targets is None else targets
     if s.type in ("lora", "dora"):
         config = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
                             init_lora_weights=True, use_dora=s.type == "dora")
@@ -79,7 +81,8 @@ def conv_settings(s: "LoraSettings") -> tuple[int, float]:
     return rank, s.conv_alpha or (float(s.conv_rank) if s.conv_rank else s.alpha)
 
 
-def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: int) -> Any:
+def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: int,
+           targets: str | list[str] | None = None) -> Any:
     """Add an adapter of ``lora.type`` to ``model`` (base weights frozen) and return its peft config.
 
     Initialised from ``seed``; the update starts at zero (LoRA/DoRA: B = 0; LoHa: one pair's up
@@ -88,7 +91,7 @@ def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: i
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     model.requires_grad_(False)
-    config = peft_config(family, settings, model)
+    config = peft_config(family, settings, model, targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config)
@@ -96,6 +99,25 @@ def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: i
         raise ConfigError([f"lora.targets = {list(settings.targets) or list(family.lora_targets)} matched no "
                            f"module of the {family.name} model; check the names (see the family's defaults)"])
     return config
+
+
+def inject_text_encoders(encoders: dict[str, nn.Module], family: Any, settings: "LoraSettings",
+                         seed: int) -> dict[str, Any]:
+    """lora.text_encoder: the same adapter type on each text encoder's attention and MLP projections
+    (the family's ``text_encoder_targets`` within ``text_encoder_scope``), each initialised from its
+    own seed; returns their peft configs by component."""
+    from peft import inject_adapter_in_model
+
+    alternatives = "|".join(re.escape(n) for n in family.text_encoder_targets)
+    configs = {}
+    for i, (part, encoder) in enumerate(encoders.items(), 1):
+        encoder.requires_grad_(False)
+        config = peft_config(family, settings, encoder, rf".*{family.text_encoder_scope}({alternatives})")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + i)
+            inject_adapter_in_model(config, encoder)  # transformers' add_adapter wants peft's LoRA only
+        configs[part] = config
+    return configs
 
 
 def keep_input_dtype(model: nn.Module) -> int:

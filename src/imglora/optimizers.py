@@ -162,7 +162,8 @@ def missing_package(cfg: "Config") -> str | None:
     return None
 
 
-def make(cfg: "Config", params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make(cfg: "Config", params: list[Any]) -> torch.optim.Optimizer:
+    """The optimizer over ``params`` (parameters, or parameter groups with their own ``lr``)."""
     r = resolve(cfg.train.optimizer)
     if isinstance(r, str):
         raise ImgloraError(f"train.optimizer: {r}")

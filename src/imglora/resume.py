@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import checkpoint, lora, optimizers
+from . import checkpoint, loop, optimizers
 from .errors import ImgloraError
 
 if TYPE_CHECKING:
@@ -47,7 +47,8 @@ def check_dependencies(cfg: "Config") -> None:
     if needs:
         what = "; ".join(f"{setting} needs {package}" for setting, package in needs)
         packages = " ".join(dict.fromkeys(package for _, package in needs))
-        raise ImgloraError(f"{what}: `pip install {packages}`" + (', or set memory.quantization = "qint4"' if nf4 else ""))
+        instead = ', or set memory.quantization = "qint4"' if nf4 else ""
+        raise ImgloraError(f"{what}: `pip install {packages}`{instead}")
     if nf4 and not torch.cuda.is_available():
         raise ImgloraError('memory.quantization = "nf4" needs a CUDA GPU; on this machine set memory.quantization = '
                            '"qint4"')
@@ -97,9 +98,9 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
         if state["ema_dir"] is None:
             raise checkpoint.ResumeRefused(f"--resume refused: {path} holds no moving average (adapter_ema/), but "
                                            "train.ema is on")
-        lora.load_adapter_state(session.model, family.read_adapter(state["ema_dir"]))
+        loop.load_adapter(session.model, session.trainable, family, state["ema_dir"])
         session.ema.load(session.params)
-    lora.load_adapter_state(session.model, family.read_adapter(state["adapter_dir"]))
+    loop.load_adapter(session.model, session.trainable, family, state["adapter_dir"])
     if state["train_params"] is not None:  # the weights a schedule-free optimizer steps (the adapter: its average)
         with torch.no_grad():
             for i, p in enumerate(session.params):

@@ -213,7 +213,8 @@ class _Run:
     def write_adapter(self, folder: Path, ema: bool = False) -> Path:
         """The adapter to use (schedule-free: its averaged weights), or train.ema's moving average."""
         with loop.ema_weights(self.s) if ema else loop.eval_weights(self.s):
-            return self.family.save_adapter(self.s.model, self.s.lora_config, folder)
+            return self.family.save_adapter(self.s.model, self.s.lora_config, folder,
+                                            text_encoders=loop.text_adapters(self.s.trainable))
 
     def write_weights(self, folder: Path) -> None:
         """A checkpoint's weights: the adapter, the moving average, and the weights a schedule-free

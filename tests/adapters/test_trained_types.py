@@ -281,5 +281,6 @@ def test_dora_adapter_loads_in_diffusers_with_the_trained_output(runs, family) -
         layer = copy.deepcopy(loaded[name])
         layer.merge(safe_merge=True)
         assert rel_err(layer.get_base_layer().weight.detach(), want) <= RTOL, name
+    loha = runs(family, "loha").run / "adapter"
     with pytest.raises(ValueError, match="LoRA param names contain `'lora'`"):
-        getattr(diffusers, fam.pipeline).from_pretrained(root).load_lora_weights(str(runs(family, "loha").run / "adapter"))
+        getattr(diffusers, fam.pipeline).from_pretrained(root).load_lora_weights(str(loha))

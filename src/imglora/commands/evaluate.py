@@ -223,6 +223,24 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     autocast = accelerator.autocast  # the training step's mixed precision
     tracked = trackers.start(accelerator, cfg, "eval")  # run.log_with: into the training's run
 
+    encoders = loop.text_encoders(trainable)  # lora.text_encoder: prompts encoded by the adapted encoders
+    tokens = []
+    if encoders:
+        tokenizers, max_len = family.load_tokenizers(src), cfg.cache.text_max_length or family.text_max_length
+        tokens = [{k: v[None].to(device) for k, v in family.tokenize(tokenizers, p, max_len).items()} for p in prompts]
+
+    def strength(s: float) -> None:
+        for module in (model, *encoders.values()):
+            lora.set_strength(module, s)
+
+    def prompts_now() -> list[Any]:
+        """The prompts' embeddings as the text encoders give them at this adapter and strength (the
+        cached-style ones from the frozen encoders without lora.text_encoder)."""
+        if not encoders:
+            return encoded
+        with torch.no_grad(), autocast():
+            return [{**e, **{k: v[0] for k, v in trainable.encode_text(t).items()}} for e, t in zip(encoded, tokens)]
+
     def losses() -> dict[str, float | None]:
         with peaks.phase("loss"):
             return {"heldout": _fixed_noise_loss(trainable, held, family, device, memory, cfg.train.seed, autocast),
@@ -234,14 +252,14 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     bar = Progress(len(targets) * len(prompts) * len(columns), "eval samples")
     try:
         out(f"  scoring the base model's loss on {len(held)} held-out and {len(train)} training image(s)")
-        lora.set_strength(model, 0.0)
+        strength(0.0)
         result.base_loss = losses()
         for step, adapter_dir in targets:
             grid: list[list[Any]] = [[None] * len(columns) for _ in prompts]
             for kind in kinds:
                 folder = adapter_dir if kind == "raw" else adapter_dir.parent / EMA_DIR
-                lora.load_adapter_state(model, family.read_adapter(folder))
-                lora.set_strength(model, 1.0)
+                loop.load_adapter(model, trainable, family, folder)
+                strength(1.0)
                 if kind == kinds[0]:
                     result.losses[step] = losses()
                 else:  # the moving average's figures beside the trained weights'
@@ -255,8 +273,8 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
                                 grid[i][j] = base_images[i]
                             bar.update(len(prompts))
                             continue
-                        lora.set_strength(model, s)
-                        for i, e in enumerate(encoded):
+                        strength(s)
+                        for i, e in enumerate(prompts_now()):
                             grid[i][j] = sampler(e, seed)
                             bar.update()
                         if s == 0:

@@ -128,6 +128,10 @@ class LoraConfig:
                                   min=0.0, max=0.99)
     module_dropout: float = setting(0.0, help="LoHa/LoKr: probability of skipping a module's update in a forward.",
                                     min=0.0, max=0.99)
+    text_encoder: bool = setting(
+        False, help="The adapter on the model's CLIP text encoders too (all of them; a T5 encoder stays frozen), "
+                    "with train.text_encoder_lr. Their outputs can then no longer be cached: each update encodes "
+                    "its captions' tokens (cached outputs of frozen encoders still are).")
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ class TrainConfig:
     epochs: int = setting(0, help="Passes over the dataset (with repeats), used when max_steps = 0.",
                           min=0, max=100_000)
     learning_rate: float = setting(1e-4, help="Peak learning rate.", min=0.0, max=1.0, min_exclusive=True)
+    text_encoder_lr: float = setting(0.0, help="Peak learning rate of the text encoders' adapter (lora.text_encoder); "
+                                               "0 = learning_rate.", min=0.0, max=1.0)
     optimizer: str = setting(
         "adamw", help="adamw (torch), adafactor (transformers), adamw8bit, paged_adamw8bit, lion8bit (bitsandbytes), "
                       "prodigy (prodigyopt: learning_rate 1.0), schedulefree_adamw (schedulefree), any torch.optim "

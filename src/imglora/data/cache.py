@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import atomic, devices, record
+from . import text_tokens
 from ..hashing import sha256_file
 from ..progress import Progress
 from .buckets import fit_to_bucket
@@ -120,7 +121,7 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
                         "dtype": enc_dtype})
             latents.append(LatentSpec(item, sha, flip, crop_seed, key))
     texts = {}
-    for item in scanned.items:
+    for item in scanned.items if text_tokens.caches_text(cfg, family) else ():
         if item.caption not in texts:
             key = _key({"kind": "text", "family": family.name, "caption": item.caption, "encoders": text_id,
                         "max_length": max_len, "dtype": enc_dtype})
@@ -263,7 +264,9 @@ def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "t
     cache = Cache(cfg.cache.dir)
     for attempt in (1, 2):
         try:
-            texts = {c: cache.get("text", s.key) for c, s in the_plan.texts.items()}
+            texts = text_tokens.entries(cfg, family, src, [i.caption for i in the_plan.scan.items],
+                                        {c: cache.get("text", s.key) for c, s in the_plan.texts.items()},
+                                        the_plan.text_max_length)
             by_item: dict[Path, list[dict[str, "torch.Tensor"]]] = {}
             for spec in the_plan.latents:
                 entry = {**cache.get("latents", spec.key), **texts[spec.item.caption]}
@@ -327,4 +330,6 @@ def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: 
     return PreparedData(samples, dataset_version(train_scan.items), tuple(warnings),
                         f"{len(samples)} images" + (f" (+{len(held)} held out)" if held else "")
                         + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
-                        f"{stats.latents_reused + stats.texts_reused} reused", validation=held)
+                        f"{stats.latents_reused + stats.texts_reused} reused"
+                        + text_tokens.summary(cfg, family, len({i.caption for i in the_plan.scan.items})),
+                        validation=held)

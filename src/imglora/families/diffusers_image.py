@@ -83,28 +83,37 @@ def check_config(family: Any, cfg: "Config", where: Callable[[str], str], proble
 # -- adapters -------------------------------------------------------------------------------------
 
 
-def save_adapter(family: Any, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path:
+def save_adapter(family: Any, model: torch.nn.Module, peft_config: Any, folder: Path,
+                 text_encoders: dict[str, tuple[torch.nn.Module, Any]] | None = None) -> Path:
     """Write ``folder/pytorch_lora_weights.safetensors`` as ``<Pipeline>.load_lora_weights`` reads it.
 
-    Keys are ``<unet|transformer>.<module>.lora_A.weight``; the LoRA config (rank and alpha) goes
-    into the header so diffusers applies alpha / rank exactly, also when alpha differs from rank.
+    Keys are ``<unet|transformer>.<module>.lora_A.weight`` (LoHa ``hada_*``, LoKr ``lokr_*``), and
+    ``text_encoder[_2].<module>...`` for the text encoders trained with lora.text_encoder
+    (``text_encoders``: component -> (encoder, its peft config)); each component's peft config
+    (type, rank, alpha) goes into the header, so diffusers applies alpha / rank exactly, also when
+    alpha differs from rank, and export reads the type back.
     """
     import diffusers
 
     from ..lora import adapter_state_dict
 
-    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_config.to_dict().items()}
-    pipeline = getattr(diffusers, family.pipeline)
-    pipeline.save_lora_weights(folder, **{f"{family.denoiser}_lora_layers": adapter_state_dict(model),
-                                          f"{family.denoiser}_lora_adapter_metadata": meta})
+    def meta(config: Any) -> dict[str, Any]:
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
+
+    layers = {f"{family.denoiser}_lora_layers": adapter_state_dict(model),
+              f"{family.denoiser}_lora_adapter_metadata": meta(peft_config)}
+    for part, (encoder, config) in (text_encoders or {}).items():
+        layers |= {f"{part}_lora_layers": adapter_state_dict(encoder), f"{part}_lora_adapter_metadata": meta(config)}
+    getattr(diffusers, family.pipeline).save_lora_weights(folder, **layers)
     return folder / ADAPTER_FILE
 
 
-def read_adapter(family: Any, folder: Path) -> dict[str, torch.Tensor]:
-    """The LoRA state (keys without the ``unet.``/``transformer.`` prefix) of a saved adapter."""
+def read_adapter(family: Any, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]:
+    """The adapter state of one component (the denoiser by default; ``text_encoder``, ...) of a
+    saved adapter, keyed without the component's prefix."""
     from safetensors.torch import load_file
 
-    prefix = f"{family.denoiser}."
+    prefix = f"{component or family.denoiser}."
     weights = load_file(str(Path(folder) / ADAPTER_FILE))
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
@@ -127,13 +136,21 @@ def base_weights(family: Any, src: "ModelSource", names: list[str]) -> dict[str,
         else:
             got = {}
             for path in wanted:
-                key = f"{path}.weight"
-                if key not in files:
-                    raise ImgloraError(f"{src.root / component}: no weight {key} for the adapted module {component}.{path}")
+                # a CLIP's file keeps the text_model. level that transformers 5 no longer has
+                key = next((k for k in (f"{path}.weight", f"{clip_path(path)}.weight") if k in files), None)
+                if key is None:
+                    raise ImgloraError(f"{src.root / component}: no weight {path}.weight for the adapted module "
+                                       f"{component}.{path}")
                 with open_file(files[key]) as r:
                     got[path] = r.get(key, torch.float32)
         out.update({f"{component}.{path}": w for path, w in got.items()})
     return out
+
+
+def clip_path(path: str) -> str:
+    """A CLIP text encoder's module path as the released files, kohya and ComfyUI name it
+    (``text_model.encoder.layers.0...``): transformers 5 dropped the ``text_model.`` level."""
+    return path if path.startswith("text_model.") else f"text_model.{path}"
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

@@ -45,6 +45,12 @@ class FluxFamily:
     swappable_blocks = swap.BLOCK_LISTS
     streams_blocks = True  # the transformer is read block by block (stream.py): plan's host-RAM term
     export_formats = keys.FORMATS
+    # lora.text_encoder: CLIP-L gets the adapter (its pooled output is then computed per step); T5 stays
+    # frozen and its cached output is used as before.
+    text_encoder_parts = ("text_encoder",)
+    text_encoder_targets = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+    text_encoder_scope = r"(text_model\.)?encoder\.layers\.\d+\.(self_attn|mlp)\."  # transformers 5: no text_model
+    frozen_text_outputs = ("prompt_embeds",)
     pipeline = "FluxPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "transformer"  # its subfolder and the adapter keys' prefix
 
@@ -109,6 +115,16 @@ class FluxFamily:
         t5_out = t5(ids, output_hidden_states=False)[0]
         return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
+    def load_tokenizers(self, src: "ModelSource") -> Any:
+        from transformers import CLIPTokenizer
+
+        return CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+
+    def tokenize(self, tokenizer: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        """CLIP-L's tokens, as encode_text makes them (lora.text_encoder; T5's output stays cached)."""
+        return {"input_ids": tokenizer(caption, padding="max_length", max_length=tokenizer.model_max_length,
+                                       truncation=True, return_tensors="pt").input_ids[0]}
+
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
         """Tokens of the caption against what T5 reads. CLIP-L only gives the pooled vector from its
         first 77 tokens, as in FluxPipeline, so a longer caption is not cut off for FLUX."""
@@ -117,7 +133,19 @@ class FluxFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+        trainable = model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+        if cfg.lora.text_encoder:  # CLIP-L only: frozen here, the adapter comes with the transformer's
+            trainable.text_encoders = {"text_encoder": self.load_clip(src, dtype).requires_grad_(False)}
+        return trainable
+
+    def load_clip(self, src: "ModelSource", dtype: torch.dtype) -> Any:
+        from transformers import CLIPTextModel
+
+        if src.files:
+            from ..singlefile.text import load_clip_l
+
+            return load_clip_l(src.files["text_encoder"], src.root, dtype).eval()
+        return CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype).eval()
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:

@@ -20,6 +20,7 @@ import torch
 from ...errors import ImgloraError
 from ...adapter_forms import Module, comfy_tensors
 from ...export import LoraModule, add_unique, alpha_tensor, fuse, kohya_name, kohya_tensors
+from ..diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # default: the diffusers form
 TEXT_PREFIX = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te3"}
@@ -51,17 +52,20 @@ def diffusers_tensors(modules: dict[str, Module], base: dict[str, torch.Tensor])
         if not module.startswith(("transformer.", "text_encoder.")):
             raise ImgloraError(f"{module}: the FLUX diffusers form has no mapping for this component; "
                                "use --format kohya (T5 weights map as lora_te3_)")
+        name = module  # ComfyUI maps text_encoder.text_model.encoder.layers... for CLIP-L
+        if module.startswith("text_encoder."):
+            name = "text_encoder." + clip_path(module.split(".", 1)[1])
         if m.kind == "lora":
             lm = lora_module(m)
-            out.update({f"{module}.lora_A.weight": lm.down, f"{module}.lora_B.weight": lm.up,
-                        f"{module}.alpha": alpha_tensor(lm.alpha)})
+            out.update({f"{name}.lora_A.weight": lm.down, f"{name}.lora_B.weight": lm.up,
+                        f"{name}.alpha": alpha_tensor(lm.alpha)})
             continue
         t = comfy_tensors(m, base.get(module))
         if "dora_scale" in t and module.startswith("transformer.") and \
                 _FLUX_GLOBAL.get(module.split(".", 1)[1]) in FLUX_SWAP_HALVES:
             scale, shift = t["dora_scale"].chunk(2, dim=0)
             t["dora_scale"] = torch.cat([shift, scale], dim=0)
-        out.update({f"{module}.{k}": v for k, v in t.items()})
+        out.update({f"{name}.{k}": v for k, v in t.items()})
     return out
 
 
@@ -132,7 +136,8 @@ def kohya_form(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
         if component != "transformer":
             if component not in TEXT_PREFIX:
                 raise ImgloraError(f"no kohya name for FLUX component {component!r}")
-            add_unique(out, kohya_tensors(kohya_name(TEXT_PREFIX[component], path), m))
+            name = kohya_name(TEXT_PREFIX[component], clip_path(path) if component == "text_encoder" else path)
+            add_unique(out, kohya_tensors(name, m))
             continue
         by_target.setdefault(flux_bfl_module(path), {})[path] = m
     for bfl, trained in sorted(by_target.items()):

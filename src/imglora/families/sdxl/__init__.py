@@ -35,6 +35,12 @@ class SdxlFamily:
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     export_formats = keys.FORMATS
+    # lora.text_encoder: both CLIP encoders get the adapter on their attention and MLP projections (the
+    # layers ComfyUI's lora_te1_/lora_te2_ names map); they give every text output, so none is cached.
+    text_encoder_parts = ("text_encoder", "text_encoder_2")
+    text_encoder_targets = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+    text_encoder_scope = r"(text_model\.)?encoder\.layers\.\d+\.(self_attn|mlp)\."  # transformers 5: no text_model
+    frozen_text_outputs: tuple[str, ...] = ()
     pipeline = "StableDiffusionXLPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "unet"  # its subfolder and the adapter keys' prefix
 
@@ -98,6 +104,18 @@ class SdxlFamily:
                 pooled = out.text_embeds
         return {"prompt_embeds": torch.cat(hidden, dim=-1)[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
+    def load_tokenizers(self, src: "ModelSource") -> Any:
+        from transformers import CLIPTokenizer
+
+        return (CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer"),
+                CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer_2"))
+
+    def tokenize(self, tokenizers: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        """The caption's tokens for both encoders, as encode_text makes them (lora.text_encoder)."""
+        return {key: tok(caption, padding="max_length", max_length=max_length, truncation=True,
+                         return_tensors="pt").input_ids[0]
+                for key, tok in zip(model.TOKEN_KEYS, tokenizers)}
+
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
         """Tokens of the caption (with BOS/EOS) against what each encoder reads."""
         tok1, tok2, _, _ = encoders
@@ -106,7 +124,12 @@ class SdxlFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, dtype)
+        trainable = model.load_trainable(src, cfg, dtype)
+        if cfg.lora.text_encoder:  # trained with the UNet: frozen here, the adapter comes with the UNet's
+            _, _, te1, te2 = self.load_text_encoders(src, torch.device("cpu"), dtype)
+            trainable.text_encoders = {"text_encoder": te1.requires_grad_(False),
+                                       "text_encoder_2": te2.requires_grad_(False)}
+        return trainable
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:

@@ -14,6 +14,7 @@ import torch
 from ...errors import ImgloraError
 from ...adapter_forms import Module, comfy_tensors
 from ...export import add_unique, kohya_name
+from ..diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # the same form under both names
 KOHYA_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
@@ -24,7 +25,7 @@ def module_name(module: str) -> str:
     component, path = module.split(".", 1)
     if component not in KOHYA_PREFIX:
         raise ImgloraError(f"no kohya name for SDXL component {component!r}")
-    return kohya_name(KOHYA_PREFIX[component], path)
+    return kohya_name(KOHYA_PREFIX[component], path if component == "unet" else clip_path(path))
 
 
 def tensors(modules: dict[str, Module], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
