@@ -255,8 +255,7 @@ def test_resume_is_bit_identical(runs, family, kind) -> None:
 
 
 def test_each_type_trains_its_own_tensors(runs) -> None:
-    suffixes = {"lora": {"lora_A.weight", "lora_B.weight"},
-                "dora": {"lora_A.weight", "lora_B.weight", "lora_magnitude_vector"},
+    suffixes = {"dora": {"lora_A.weight", "lora_B.weight", "lora_magnitude_vector"},
                 "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"}}
     for kind, want in suffixes.items():
         keys = load_file(str(runs("sdxl", kind).run / "adapter" / ADAPTER_FILE))
