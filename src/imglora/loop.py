@@ -180,15 +180,17 @@ def ema_weights(s: Session) -> contextlib.AbstractContextManager[None]:
 def validation_loss(trainable: "Trainable", memory: MemorySetup, samples: list[Any], collate: Callable,
                     device: torch.device, seed: int, autocast: Callable[[], Any] = contextlib.nullcontext) -> float:
     """Mean loss over held-out samples with fixed noise per sample: comparable across updates and runs."""
-    model = trainable.model
-    was_training = model.training
-    model.eval()  # no dropout
+    modules = [trainable.model, *text_encoders(trainable).values()]
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.eval()  # no dropout
     total = 0.0
     for i, sample in enumerate(samples):
         batch = {k: v.to(device) for k, v in collate([sample.variants[0]]).items()}
         gen = torch.Generator(device=device).manual_seed(seed + 7919 * i)
         total += float(forward_loss(trainable, memory, batch, gen, autocast))
-    model.train(was_training)
+    for m, mode in zip(modules, was_training):
+        m.train(mode)
     return total / len(samples)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import atomic
+from .errors import ImgloraError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -29,6 +30,12 @@ IDS_FILE = "trackers.json"
 
 def for_run(cfg: "Config", run_dir: Path) -> list[Any]:
     """accelerate tracker objects for ``run.log_with`` writing into ``run_dir`` ([] when none)."""
+    from importlib.util import find_spec
+
+    missing = [name for name in cfg.run.log_with if find_spec(name) is None]
+    if missing:
+        raise ImgloraError(f"run.log_with = {json.dumps(list(cfg.run.log_with))} needs {', '.join(missing)}: "
+                           f"`pip install {' '.join(missing)}`")
     out: list[Any] = []
     if "tensorboard" in cfg.run.log_with:
         from accelerate.tracking import TensorBoardTracker

@@ -280,8 +280,9 @@ class _Run:
                 final_loss=next((r["loss"] for r in reversed(self.history) if "loss" in r), None),
                 final_val_loss=next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None),
                 adapter=str(adapter) if adapter else None, last_checkpoint=str(ckpt_path) if ckpt_path else None,
-                lora={"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
-                      "targets": sorted(targets) if isinstance(targets, set) else targets})
+                lora={"type": cfg.lora.type, "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+                      "targets": sorted(targets) if isinstance(targets, set) else targets,
+                      "text_encoders": sorted(loop.text_encoders(self.s.trainable))})
         if self.projection:
             actual = time.perf_counter() - self.t_setup
             rec.set(projection={**self.projection.to_dict(), "actual_seconds": round(actual, 3),
