@@ -147,6 +147,18 @@ def base_weights(family: Any, src: "ModelSource", names: list[str]) -> dict[str,
     return out
 
 
+# lora.text_encoder on a CLIP text encoder: its attention and MLP projections, the layers ComfyUI maps
+# (lora_te1_text_model_encoder_layers_N_self_attn_q_proj, ...); transformers 5 has no text_model. level.
+CLIP_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+CLIP_SCOPE = r"(text_model\.)?encoder\.layers\.\d+\.(self_attn|mlp)\."
+
+
+def clip_tokens(tokenizer: Any, caption: str, max_length: int) -> torch.Tensor:
+    """A caption's CLIP tokens as the families' encode_text makes them (padded and cut to max_length)."""
+    return tokenizer(caption, padding="max_length", max_length=max_length, truncation=True,
+                     return_tensors="pt").input_ids[0]
+
+
 def clip_path(path: str) -> str:
     """A CLIP text encoder's module path as the released files, kohya and ComfyUI name it
     (``text_model.encoder.layers.0...``): transformers 5 dropped the ``text_model.`` level."""

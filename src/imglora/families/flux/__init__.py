@@ -48,8 +48,8 @@ class FluxFamily:
     # lora.text_encoder: CLIP-L gets the adapter (its pooled output is then computed per step); T5 stays
     # frozen and its cached output is used as before.
     text_encoder_parts = ("text_encoder",)
-    text_encoder_targets = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-    text_encoder_scope = r"(text_model\.)?encoder\.layers\.\d+\.(self_attn|mlp)\."  # transformers 5: no text_model
+    text_encoder_targets = common.CLIP_TARGETS
+    text_encoder_scope = common.CLIP_SCOPE
     frozen_text_outputs = ("prompt_embeds",)
     pipeline = "FluxPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "transformer"  # its subfolder and the adapter keys' prefix
@@ -122,8 +122,7 @@ class FluxFamily:
 
     def tokenize(self, tokenizer: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
         """CLIP-L's tokens, as encode_text makes them (lora.text_encoder; T5's output stays cached)."""
-        return {"input_ids": tokenizer(caption, padding="max_length", max_length=tokenizer.model_max_length,
-                                       truncation=True, return_tensors="pt").input_ids[0]}
+        return {"input_ids": common.clip_tokens(tokenizer, caption, tokenizer.model_max_length)}
 
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
         """Tokens of the caption against what T5 reads. CLIP-L only gives the pooled vector from its

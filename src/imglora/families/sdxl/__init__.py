@@ -38,8 +38,8 @@ class SdxlFamily:
     # lora.text_encoder: both CLIP encoders get the adapter on their attention and MLP projections (the
     # layers ComfyUI's lora_te1_/lora_te2_ names map); they give every text output, so none is cached.
     text_encoder_parts = ("text_encoder", "text_encoder_2")
-    text_encoder_targets = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-    text_encoder_scope = r"(text_model\.)?encoder\.layers\.\d+\.(self_attn|mlp)\."  # transformers 5: no text_model
+    text_encoder_targets = common.CLIP_TARGETS
+    text_encoder_scope = common.CLIP_SCOPE
     frozen_text_outputs: tuple[str, ...] = ()
     pipeline = "StableDiffusionXLPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "unet"  # its subfolder and the adapter keys' prefix
@@ -112,9 +112,7 @@ class SdxlFamily:
 
     def tokenize(self, tokenizers: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
         """The caption's tokens for both encoders, as encode_text makes them (lora.text_encoder)."""
-        return {key: tok(caption, padding="max_length", max_length=max_length, truncation=True,
-                         return_tensors="pt").input_ids[0]
-                for key, tok in zip(model.TOKEN_KEYS, tokenizers)}
+        return {key: common.clip_tokens(tok, caption, max_length) for key, tok in zip(model.TOKEN_KEYS, tokenizers)}
 
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
         """Tokens of the caption (with BOS/EOS) against what each encoder reads."""
