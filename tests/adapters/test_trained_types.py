@@ -172,6 +172,11 @@ def test_exported_type_loads_in_comfyui_as_the_trained_merged_weight(runs, famil
     assert changed == len(merged)  # training moved every adapted module
     meta = result.metadata
     assert meta["imglora.adapter_type"] == kind
+    if family == "flux" and kind != "lora":  # kohya's fused q/k/v form exists for plain LoRA only
+        from imglora.errors import ImgloraError
+
+        with pytest.raises(ImgloraError, match=f"only plain LoRA can be; export {kind} with the default format"):
+            export_run(t.run, out=tmp_path / "k.safetensors", fmt="kohya")
     if kind in ("loha", "lokr"):
         assert meta["ss_network_module"] == "lycoris.kohya" and json.loads(meta["ss_network_args"])["algo"] == kind
 
