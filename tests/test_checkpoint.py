@@ -20,12 +20,11 @@ def save(run: Path, step: int, keep: int = 3) -> Path:
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
 
-    def write_adapter(folder: Path) -> Path:
-        folder.mkdir(parents=True)
-        (folder / "a.safetensors").write_bytes(b"x")
-        return folder / "a.safetensors"
+    def write_weights(folder: Path) -> None:
+        (folder / "adapter").mkdir(parents=True)
+        (folder / "adapter" / "a.safetensors").write_bytes(b"x")
 
-    return checkpoint.save(run, step, write_adapter=write_adapter, optimizer=opt, scheduler=sched,
+    return checkpoint.save(run, step, write_weights=write_weights, optimizer=opt, scheduler=sched,
                            config={"k": 1}, config_hash="h", extra={"dataset_version": "d", "total_updates": 9},
                            keep=keep)
 

@@ -183,7 +183,7 @@ def test_cli_config_exit_code_and_message(tmp_path: Path) -> None:
     assert "Traceback" not in r.output
     ok = CliRunner().invoke(main, ["config", str(p), "--set", "lora.rank=4"])
     assert ok.exit_code == 0, ok.output
-    assert "[lora]\nrank = 4\nalpha = 4.0" in ok.output
+    assert "[lora]\ntype = \"lora\"\nrank = 4\nalpha = 4.0" in ok.output
 
 
 def test_every_field_has_help() -> None:
@@ -231,3 +231,30 @@ def test_keys_lists_every_familys_section() -> None:
     keys = {k for k, _, _ in config.field_help(registry)}
     assert {"sdxl.noise_offset", "flux.guidance", "flux.double_blocks_to_swap", "llm.data_file",
             "llm.max_seq_len", "train.learning_rate"} <= keys
+
+
+def test_adapter_type_keys_belong_to_their_types(tmp_path: Path) -> None:
+    p = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError) as exc:
+        load_config(p, ['lora.type="loha"', "lora.dropout=0.1", "lora.factor=4", "lora.decompose_both=true",
+                        'lora.type2="x"'])
+    msg = str(exc.value)
+    assert "lora.dropout: applies to lora.type = 'lora' or 'dora' only" in msg and "rank_dropout" in msg
+    assert "lora.factor: applies to lora.type = 'lora' or 'lokr' only" not in msg
+    assert "lora.factor: applies to lora.type = 'lokr' only" in msg
+    assert "lora.decompose_both: applies to lora.type = 'lokr' only" in msg
+    assert "lora.type2: unknown key" in msg  # every problem at once
+    with pytest.raises(ConfigError, match="lora.effective_conv2d: applies to lora.type = 'loha' or 'lokr' only"):
+        load_config(p, ['lora.type="dora"', "lora.effective_conv2d=true"])
+    with pytest.raises(ConfigError, match="lora.type: expected one of 'lora', 'dora', 'loha', 'lokr'"):
+        load_config(p, ['lora.type="locon"'])
+    with pytest.raises(ConfigError, match="lora.factor: must be -1"):
+        load_config(p, ['lora.type="lokr"', "lora.factor=0"])
+    with pytest.raises(ConfigError, match="the llm family trains lora adapters, not dora"):
+        load_config(REPO / "presets" / "tiny-llm.toml", ['lora.type="dora"'])
+    from imglora.lora import conv_settings
+
+    cfg = load_config(p, ['lora.type="lokr"', "lora.rank=8", "lora.alpha=4", "lora.conv_rank=2"])
+    assert conv_settings(cfg.lora) == (2, 2.0)  # conv alpha: conv_rank (scale 1) when unset
+    cfg = load_config(p, ["lora.rank=8", "lora.alpha=4"])
+    assert conv_settings(cfg.lora) == (8, 4.0)  # conv layers as the others

@@ -2,9 +2,11 @@
 
 ``<run>/checkpoints/step-000020/`` holds the adapter (diffusers layout, safetensors), the
 optimizer state (tensors in safetensors, structure in JSON), the scheduler state, RNG states,
-the step and the resolved config with its hash. The folder is built under a temporary name and
-renamed into place, so a crash never leaves a checkpoint that looks complete but is not; only
-then are checkpoints beyond ``keep`` removed, oldest first (never one newer than the new one).
+the step and the resolved config with its hash; with ``train.ema`` the moving average
+(``adapter_ema/``), with a schedule-free optimizer the weights it steps (``train_params.safetensors``:
+the adapter holds its averaged weights). The folder is built under a temporary name and renamed
+into place, so a crash never leaves a checkpoint that looks complete but is not; only then are
+checkpoints beyond ``keep`` removed, oldest first (never one newer than the new one).
 
 The loop reseeds every update from (seed, update) and the data order is a function of (seed,
 epoch), so resuming needs neither RNG nor iterator state; the RNG states are saved for inspection.
@@ -30,6 +32,10 @@ from .errors import ImgloraError
 if TYPE_CHECKING:
     from .config import Config
 
+EMA_DIR = "adapter_ema"  # beside adapter/, in the run folder and in each checkpoint
+TRAIN_PARAMS = "train_params.safetensors"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
 
@@ -43,31 +49,57 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+TENSOR = "__tensor__"  # in the optimizer JSON: {"__tensor__": key} stands for a tensor of optimizer.safetensors
+
+
 def optimizer_to_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict`` as (tensors for safetensors, the rest for JSON), at any depth:
+    nested state (bitsandbytes keeps its 8-bit state in a dict per parameter) and tensors in the
+    param groups included. Each tensor is replaced by ``{"__tensor__": key}``; the state's integer
+    keys become strings (JSON), and are turned back by :func:`optimizer_from_tensors`."""
     tensors: dict[str, torch.Tensor] = {}
-    rest: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
-    for idx, entry in state["state"].items():
-        for name, value in entry.items():
-            if torch.is_tensor(value):
-                tensors[f"{idx}/{name}"] = value.detach().cpu().contiguous()
-            else:
-                rest["state"].setdefault(str(idx), {})[name] = value
+
+    def walk(value: Any, key: str) -> Any:
+        if torch.is_tensor(value):
+            tensors[key] = value.detach().cpu().contiguous()
+            return {TENSOR: key}
+        if isinstance(value, dict):
+            return {str(k): walk(v, f"{key}/{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{key}/{i}") for i, v in enumerate(value)]
+        return value
+
+    rest = {"format": 2, "state": walk(state["state"], "state"), "param_groups": walk(state["param_groups"], "group")}
     return tensors, rest
 
 
 def optimizer_from_tensors(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in rest["state"].items()}
-    for key, value in tensors.items():
-        idx, name = key.split("/", 1)
-        state.setdefault(int(idx), {})[name] = value
-    return {"state": state, "param_groups": rest["param_groups"]}
+    if rest.get("format") != 2:  # written before nested state: "<index>/<name>" tensors, the rest flat
+        state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in rest["state"].items()}
+        for key, value in tensors.items():
+            idx, name = key.split("/", 1)
+            state.setdefault(int(idx), {})[name] = value
+        return {"state": state, "param_groups": rest["param_groups"]}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {TENSOR}:
+                return tensors[value[TENSOR]]
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return {"state": {int(k): walk(v) for k, v in rest["state"].items()}, "param_groups": walk(rest["param_groups"])}
 
 
-def save(run_dir: Path, step: int, *, write_adapter, optimizer: torch.optim.Optimizer, scheduler: Any,
+def save(run_dir: Path, step: int, *, write_weights, optimizer: torch.optim.Optimizer, scheduler: Any,
          config: dict[str, Any], config_hash: str, extra: dict[str, Any], keep: int) -> Path:
+    """``write_weights(folder)`` writes the weights into the new checkpoint's folder: ``adapter/``,
+    and where the run has them ``adapter_ema/`` and ``train_params.safetensors`` (see :func:`load`)."""
     dest = step_dir(run_dir, step)
     with atomic.atomic_dir(dest) as tmp:
-        write_adapter(tmp / "adapter")
+        write_weights(tmp)
         tensors, rest = optimizer_to_tensors(optimizer.state_dict())
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         rng = {"torch": torch.get_rng_state()}
@@ -105,7 +137,10 @@ def load(path: Path) -> dict[str, Any]:
     state["optimizer_state"] = optimizer_from_tensors(load_file(str(path / "optimizer.safetensors")),
                                                       state.pop("optimizer"))
     state["rng"] = load_file(str(path / "rng.safetensors"))
-    state["adapter_dir"] = path / "adapter"
+    state["adapter_dir"] = path / "adapter"  # the weights to use (schedule-free: its averaged, eval-mode weights)
+    state["ema_dir"] = path / EMA_DIR if (path / EMA_DIR).is_dir() else None  # train.ema's moving average
+    # the weights the optimizer steps, when they are not the adapter's (schedule-free optimizers)
+    state["train_params"] = load_file(str(path / TRAIN_PARAMS)) if (path / TRAIN_PARAMS).is_file() else None
     return state
 
 

@@ -136,14 +136,16 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool, gpus: int |
 @click.option("--format", "fmt", default=None, metavar="FORM",
               help="Key layout: default (the family's ComfyUI-ready form) or another form the family offers, "
                    "e.g. kohya; default: the preset's export.format.")
+@click.option("--weights", type=click.Choice(["auto", "ema", "raw"]), default="auto", show_default=True,
+              help="ema: train.ema's moving average; raw: the trained weights; auto: ema when the run kept one.")
 @click.option("--force", is_flag=True, help="Replace an existing file.")
 def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | None, name: str | None,
-               dtype: str | None, fmt: str | None, force: bool) -> None:
+               dtype: str | None, fmt: str | None, weights: str, force: bool) -> None:
     """Write a ComfyUI-ready .safetensors (and two ComfyUI workflows) from a run."""
     from .commands.export import export
 
     r = export(Path(run_dir), checkpoint=checkpoint, comfyui=Path(comfyui) if comfyui else None,
-               out=Path(out) if out else None, name=name, dtype=dtype, fmt=fmt, force=force)
+               out=Path(out) if out else None, name=name, dtype=dtype, fmt=fmt, force=force, weights=weights)
     click.echo(f"exported {r.n_tensors} tensors ({r.format} form, {r.source}) to {r.path}")
     click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
 

@@ -42,14 +42,17 @@ def _checkpoint(ctx: click.Context, param: click.Parameter, value: str) -> str |
               help="Adapter strengths, the contact sheet's columns; default eval.strengths (0,0.5,1). "
                    "0 is the base model.")
 @click.option("--seed", type=int, help="Seed of the images; default eval.seed.")
+@click.option("--weights", type=click.Choice(["auto", "raw", "ema", "both"]), default="auto", show_default=True,
+              help="raw: the trained weights; ema: train.ema's moving average; both: columns for each; auto: both "
+                   "when the run kept a moving average, else raw.")
 @click.option("--set", "overrides", multiple=True, metavar="eval.KEY=VALUE",
               help="Override an eval.* key, e.g. --set eval.blocks_to_swap=0 --set eval.sample_steps=28.")
 def eval_cmd(run_dir: str, which: str | int, all_checkpoints: bool, prompts_file: str | None,
-             strengths: list[float] | None, seed: int | None, overrides: tuple[str, ...]) -> None:
+             strengths: list[float] | None, seed: int | None, weights: str, overrides: tuple[str, ...]) -> None:
     """Evaluate a trained run in a fresh process: images per prompt and adapter strength with a
     contact sheet, held-out and training-image loss, and an eval record with its peak memory."""
     from .commands.evaluate import evaluate
     from .progress import stamped
 
     evaluate(run_dir, checkpoint=which, all_checkpoints=all_checkpoints, prompts_file=prompts_file,
-             strengths=strengths, seed=seed, overrides=overrides, out=stamped(click.echo))
+             strengths=strengths, seed=seed, overrides=overrides, weights=weights, out=stamped(click.echo))

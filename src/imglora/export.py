@@ -1,21 +1,22 @@
-"""Export a trained adapter as a LoRA that ComfyUI's stock loaders map completely.
+"""Export a trained adapter as a file that ComfyUI's stock loaders map completely.
 
 The family says which key forms it offers and how its modules are named there (``Exportable``);
 this module does what is the same for every family: find the adapter to export (the final one or
-a checkpoint), read it with its exact alpha, write the file under a temporary name and rename it
-(never replacing an existing file without ``force``), the ``ss_*``/``modelspec.*`` metadata, and
-the ComfyUI workflows beside it.
+a checkpoint), read it with its type and exact alpha and rank per module, write the file under a
+temporary name and rename it (never replacing an existing file without ``force``), the
+``ss_*``/``modelspec.*`` metadata, and the ComfyUI workflows beside it.
 
-Every exported module satisfies ``(alpha / rank) · up @ down == trained delta``: loaders compute
-``alpha / down.shape[0]``, so alpha is written per module and fused modules get a fused alpha
-(``fuse``). Weights are read with safetensors only.
+Every exported module makes ComfyUI's patched weight equal the trained model's merged weight
+(``adapter_forms``: LoRA ``(alpha / rank) · up @ down``, DoRA with a ``dora_scale`` compensated for
+ComfyUI's normalisation, LoHa/LoKr in LyCORIS names). Loaders compute ``alpha / rank`` per module,
+so alpha is written per module and fused LoRA modules get a fused alpha (``fuse``). Weights are
+read with safetensors only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import tempfile
@@ -27,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import adapter_forms as af
 from . import atomic
 from . import comfyui as comfy
-from .checkpoint import list_checkpoints
+from .checkpoint import EMA_DIR, list_checkpoints
 from .devices import DTYPES
 from .errors import ImgloraError
 from .record import read_records
@@ -106,8 +108,7 @@ def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *
         raise _exists_error(dest)
 
     modules = read_adapter(source.path, cfg)
-    tensors = {k: v.to(DTYPES[dtype]) if k.endswith(".weight") else v
-               for k, v in family.export_tensors(modules, fmt).items()}
+    tensors = export_dtype(family.export_tensors(modules, fmt, base_weights(family, cfg, modules)), DTYPES[dtype])
     metadata = build_metadata(source, cfg, family, name, fmt, modules)
     blob = serialize(tensors, metadata)
     write_new(dest, blob, force)
@@ -127,18 +128,23 @@ def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *
 # ---------------------------------------------------------------------------------------------
 
 
-def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytorch_lora_weights.safetensors") -> Source:
-    """The adapter to export: the final one, the newest checkpoint, or the checkpoint of a step."""
+def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytorch_lora_weights.safetensors",
+                weights: str = "auto") -> Source:
+    """The adapter to export: the final one, the newest checkpoint, or the checkpoint of a step;
+    ``weights``: "raw" (the trained weights), "ema" (train.ema's moving average, ``adapter_ema/``),
+    or "auto" (the moving average when the run kept one)."""
     if not run_dir.is_dir():
         raise ImgloraError(f"{run_dir}: no such run folder; give the folder `imglora train` wrote (runs/<name>)")
-    final = run_dir / "adapter" / adapter_file
-    ckpts = [(step, path) for step, path in list_checkpoints(run_dir) if (path / "adapter" / adapter_file).is_file()]
     records = read_records(run_dir, "train")
     record = records[-1] if records else {}
+    folder = weights_folder(weights, record.get("config", {}), run_dir)
+    final = run_dir / folder / adapter_file
+    ckpts = [(step, path) for step, path in list_checkpoints(run_dir) if (path / folder / adapter_file).is_file()]
     finished = [r for r in records if r.get("adapter")]
     final_step = finished[-1].get("steps_done") if finished else None
     which = str(which).strip().lower()
     available = ", ".join(str(s) for s, _ in ckpts) or "none"
+    label = ", moving average (train.ema)" if folder == EMA_DIR else ""
 
     if which == "latest":
         # The final adapter unless a resumed run got further and was stopped before its end.
@@ -156,7 +162,7 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
         if not record:
             raise ImgloraError(f"{run_dir}/records holds no train record, so the run's settings (family, rank, "
                                "alpha) are unknown; export a checkpoint instead, or re-run `imglora train`.")
-        label = "final adapter" + (f" (step {final_step})" if final_step is not None else "")
+        label = "final adapter" + (f" (step {final_step})" if final_step is not None else "") + label
         return Source(final, final_step, label, record["config"], record)
     if not which.isdigit():
         raise ImgloraError(f"--checkpoint {which}: give a step number, 'latest' or 'final'")
@@ -164,8 +170,21 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
     for s, path in ckpts:
         if s == step:
             state = json.loads((path / "state.json").read_text())
-            return Source(path / "adapter" / adapter_file, step, f"checkpoint step {step}", state["config"], record)
+            return Source(path / folder / adapter_file, step, f"checkpoint step {step}{label}", state["config"], record)
     raise ImgloraError(f"{run_dir} has no checkpoint for step {step}; available steps: {available}")
+
+
+def weights_folder(weights: str, config: dict[str, Any], run_dir: Path) -> str:
+    """``adapter`` or ``adapter_ema`` for ``--weights raw|ema|auto`` (auto: ema when the run kept one)."""
+    ema = bool(config.get("train", {}).get("ema"))
+    if weights == "auto":
+        return EMA_DIR if ema else "adapter"
+    if weights == "ema" and not ema and not (run_dir / EMA_DIR).is_dir():
+        raise ImgloraError(f"--weights ema: {run_dir} was trained without train.ema, so it has no moving average; "
+                           "use --weights raw")
+    if weights not in ("raw", "ema"):
+        raise ImgloraError(f"--weights {weights}: choose raw, ema or auto")
+    return EMA_DIR if weights == "ema" else "adapter"
 
 
 _BAD_NAME = re.compile(r'[<>:"/\\|?*\x00-\x1f]')
@@ -204,14 +223,13 @@ def _exists_error(dest: Path) -> ImgloraError:
 # Reading the trained adapter
 # ---------------------------------------------------------------------------------------------
 
-_PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+def read_adapter(path: Path, cfg: "Config") -> dict[str, af.Module]:
+    """``{"<component>.<module path>": adapter_forms.Module}`` from a diffusers-layout adapter file
+    (keys ``<component>.<module>.<peft suffix>``: ``lora_A.weight``, ``hada_w1_a``, ``lokr_w1``, ...).
 
-
-def read_adapter(path: Path, cfg: "Config") -> dict[str, LoraModule]:
-    """``{"<component>.<module path>": LoraModule}`` from a diffusers-layout adapter file.
-
-    alpha comes from the file's own ``lora_adapter_metadata`` (the peft config saved with those
-    exact weights), else from the run's ``lora`` settings.
+    The adapter type, alpha and rank (per module, after peft's rank/alpha patterns) come from the
+    file's own ``lora_adapter_metadata`` (the peft config saved with those exact weights), else from
+    the run's ``lora`` settings.
     """
     from safetensors import safe_open
 
@@ -222,44 +240,74 @@ def read_adapter(path: Path, cfg: "Config") -> dict[str, LoraModule]:
     except Exception as exc:  # safetensors raises its own error types for truncated or foreign files
         raise ImgloraError(f"{path}: cannot read the adapter ({exc}); the file is damaged or not an imglora "
                            "adapter") from None
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        m = _PEFT_KEY.match(key)
-        if not m or "." not in m["module"]:
-            raise ImgloraError(f"{path}: unexpected tensor {key!r} (expected <component>.<module>.lora_A/B.weight; "
-                               "LoRA biases and DoRA are not exported)")
-        pairs.setdefault(m["module"], {})[m["which"]] = value
+        parts = key.split(".")
+        at = next((i for i, p in enumerate(parts) if p.startswith(af.ADAPTER_PREFIXES)), None)
+        if at is None or at < 2:
+            raise ImgloraError(f"{path}: unexpected tensor {key!r} (expected <component>.<module>.lora_A.weight, "
+                               ".hada_w1_a, .lokr_w1, ...)")
+        groups.setdefault(".".join(parts[:at]), {})[key] = value
     peft_meta = json.loads(header.get("lora_adapter_metadata", "{}"))
     modules = {}
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ImgloraError(f"{path}: {module} has lora_{next(iter(ab))} without its partner")
-        down, up = ab["A"], ab["B"]
-        if up.shape[1] != down.shape[0]:
-            raise ImgloraError(f"{path}: {module}: lora_B {tuple(up.shape)} does not fit lora_A {tuple(down.shape)}")
-        component = module.split(".", 1)[0]
-        modules[module] = LoraModule(down, up, module_alpha(peft_meta, component, cfg, down.shape[0], path))
+    for module, own in sorted(groups.items()):
+        component, inner = module.split(".", 1)
+        meta = {k[len(component) + 1:]: v for k, v in peft_meta.items() if k.startswith(f"{component}.")}
+        kind, alpha, rank, rslora = module_settings(meta, inner, cfg)
+        try:
+            modules[module] = af.read_peft_module(own, module, kind, alpha, rank, use_rslora=rslora)
+        except ImgloraError as exc:
+            raise ImgloraError(f"{path}: {exc}") from None
     if not modules:
-        raise ImgloraError(f"{path} holds no LoRA weights")
+        raise ImgloraError(f"{path} holds no adapter weights")
     return modules
 
 
-def module_alpha(meta: dict[str, Any], component: str, cfg: "Config", rank: int, path: Path) -> float:
-    """The alpha that makes ``alpha / rank`` equal peft's scaling for this module."""
-    peft = {k[len(component) + 1:]: v for k, v in meta.items() if k.startswith(f"{component}.")}
-    if peft.get("lora_alpha") is None:
-        alpha, r = float(cfg.lora.alpha or cfg.lora.rank), int(cfg.lora.rank)
-    else:
-        alpha, r = float(peft["lora_alpha"]), int(peft["r"])
-        if peft.get("rank_pattern") or peft.get("alpha_pattern"):
-            raise ImgloraError(f"{path}: per-module rank or alpha patterns are not supported by export")
-        if peft.get("use_dora") or peft.get("lora_bias"):
-            raise ImgloraError(f"{path}: DoRA and LoRA biases have no ComfyUI LoRA form; export supports plain LoRA")
-    if rank != r:
-        raise ImgloraError(f"{path}: a {component} module has rank {rank}, the adapter's settings say {r}")
-    if peft.get("use_rslora"):
-        return alpha * math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(rank)
-    return alpha
+def module_settings(meta: dict[str, Any], module: str, cfg: "Config") -> tuple[str, float, int, bool]:
+    """(adapter type, alpha, rank, rsLoRA) of ``module`` as peft applies them: the saved peft config
+    ``meta`` (one component's), with its rank and alpha patterns; without one, the run's settings."""
+    if not meta:
+        lo = cfg.lora
+        return lo.type, float(lo.alpha or lo.rank), int(lo.rank), False
+    if meta.get("lora_bias"):
+        raise ImgloraError("LoRA biases (peft lora_bias) have no ComfyUI form")
+    peft_type = str(meta.get("peft_type", "LORA")).upper()
+    kind = {"LORA": "dora" if meta.get("use_dora") else "lora", "LOHA": "loha", "LOKR": "lokr"}.get(peft_type)
+    if kind is None:
+        raise ImgloraError(f"peft adapter type {peft_type} cannot be exported (lora, dora, loha, lokr can)")
+    from peft.utils.other import get_pattern_key
+
+    alpha = float(meta["lora_alpha"] if kind in ("lora", "dora") else meta["alpha"])
+    rank = int(meta["r"])
+    ranks, alphas = meta.get("rank_pattern") or {}, meta.get("alpha_pattern") or {}
+    if ranks and (key := get_pattern_key(ranks.keys(), module)) in ranks:
+        rank = int(ranks[key])
+    if alphas and (key := get_pattern_key(alphas.keys(), module)) in alphas:
+        alpha = float(alphas[key])
+    return kind, alpha, rank, bool(meta.get("use_rslora"))
+
+
+def base_weights(family: "Exportable", cfg: "Config", modules: dict[str, af.Module]) -> dict[str, torch.Tensor]:
+    """The base model's weights (fp32) of the modules whose ComfyUI form depends on them (DoRA:
+    ComfyUI normalises by the original weight's row norm, so ``dora_scale`` is computed against
+    it), read from the files the run trained on; {} when no module needs one."""
+    names = [name for name, m in modules.items() if m.kind == "dora"]
+    if not names:
+        return {}
+    from .models import resolve_model
+
+    try:
+        src = resolve_model(cfg.model, family)
+    except ImgloraError as exc:
+        raise ImgloraError(f"exporting DoRA for ComfyUI needs the base model's weights of the adapted layers "
+                           f"(ComfyUI divides by their norms): {exc}") from None
+    return family.base_weights(src, names)
+
+
+def export_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every adapter tensor in ``dtype``, except ``alpha`` (a 0-dim fp32 scalar) and ``dora_scale``
+    (fp32: bf16 would round away the compensation it carries)."""
+    return {k: v if k.endswith((".alpha", ".dora_scale")) else v.to(dtype) for k, v in tensors.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ else (no stubs raising ``NotImplementedError``):
   ``bench-swap --arch full`` before a download.
 * ``Plannable``: the architecture on the meta device, for ``imglora plan``'s memory prediction.
 * ``Exportable``: key forms and metadata of a ComfyUI-ready LoRA, and its ComfyUI workflow.
+* ``TextEncoderTraining``: the adapter on the text encoders too (``lora.text_encoder``).
 * ``Mergeable``: folding an adapter into the full-precision base (``imglora merge``).
 * ``SingleFiles``: training from the single files users have (an SDXL checkpoint, a FLUX.1
   transformer with its text encoders and VAE as files), as well as from a model folder.
@@ -56,6 +57,7 @@ class Family(Protocol):
     lora_scope: str  # regex prefix limiting lora_targets ("" = anywhere)
     quantize_exclude: tuple[str, ...]  # module patterns kept in high precision under fp8 / 4-bit
     quantizations: tuple[str, ...]  # 4-bit kinds (memory.quantization) it supports
+    adapter_types: tuple[str, ...]  # lora.type values it trains, saves and exports
 
     def check_config(self, cfg: "Config", where: Callable[[str], str], problems: list[str]) -> None: ...
     def build_tiny(self, dest: Path, seed: int) -> None: ...  # a tiny random model in the real on-disk layout
@@ -63,8 +65,10 @@ class Family(Protocol):
     def prepare_data(self, cfg: "Config", src: "ModelSource", device: torch.device) -> "PreparedData": ...
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
     def load_trainable(self, src: "ModelSource", cfg: "Config", device: torch.device, dtype: torch.dtype) -> Trainable: ...
-    def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path: ...  # the main file
-    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]: ...  # LoRA state keyed by module path
+    def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path,
+                     text_encoders: dict[str, tuple[torch.nn.Module, Any]] | None = None) -> Path: ...  # main file
+    def read_adapter(self, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]: ...
+    # adapter state keyed by module path: the denoiser's, or a text encoder's (TextEncoderTraining)
 
 
 @runtime_checkable
@@ -121,7 +125,11 @@ class Plannable(Protocol):
 class Exportable(Protocol):
     export_formats: tuple[str, ...]  # the first is the default
 
-    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]: ...
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    # modules: adapter_forms.Module per "<component>.<module path>"; base: the base weights (fp32)
+    # of the modules whose form needs them (DoRA), from base_weights
+    def base_weights(self, src: "ModelSource", names: list[str]) -> dict[str, torch.Tensor]: ...
     def export_metadata(self, cfg: "Config", record: dict[str, Any]) -> dict[str, Any]: ...  # ss_*, modelspec.*
     def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
                       with_clip: bool, model: "ModelConfig | None" = None) -> list[Any]: ...
@@ -134,6 +142,23 @@ class SingleFiles(Protocol):
         """The ModelSource of a model given as files: ``find(name, ComfyUI folder kinds, setting)``
         locates each file named in ``model`` (a path, or a bare name with model.comfyui)."""
         ...
+
+
+@runtime_checkable
+class TextEncoderTraining(Protocol):
+    """``lora.text_encoder``: the adapter on (some of) the text encoders too. The outputs they give
+    are then computed in every step from the captions' tokens (the Trainable's ``text_encoders``
+    hold the adapted encoders, and its loss encodes batches that carry tokens); outputs of frozen
+    encoders stay cached."""
+
+    text_encoder_parts: tuple[str, ...]  # the components that get the adapter ("text_encoder", ...)
+    text_encoder_targets: tuple[str, ...]  # their peft target_modules
+    text_encoder_scope: str  # regex prefix limiting those targets
+    frozen_text_outputs: tuple[str, ...]  # tensors of a text entry that frozen encoders give: still cached
+
+    def load_tokenizers(self, src: "ModelSource") -> Any: ...
+    def tokenize(self, tokenizers: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]: ...
+    # the tokens a batch carries instead of trained_text_outputs, as encode_text tokenizes
 
 
 @runtime_checkable

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from . import devices, distributed, lora
-from .errors import ImgloraError
+from . import devices, distributed, lora, optimizers
+from .ema import Ema, swapped
+from .memory.fp8 import to_device
 from .memory.wrap import MemorySetup, apply_memory
 
 if TYPE_CHECKING:
@@ -36,7 +37,10 @@ class Session:
     scheduler: Any | None
     accum: int
     max_grad_norm: float
+    ema: Ema | None = None  # train.ema: the moving average of ``params``
+    modes: bool = False  # the optimizer has train/eval modes (schedule-free): see eval_weights
     stage: str = "setup"  # what ``step`` is doing: "forward", "backward", "optimizer" (for failure reports)
+    grad_norm: torch.Tensor | None = None  # the last update's gradient norm (before clipping), on the device
 
     @property
     def device(self) -> torch.device:
@@ -47,8 +51,9 @@ class Session:
         return self.accelerator.unwrap_model(self.trainable.model)
 
 
-def accelerator_for(cfg: "Config") -> Any:
-    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU).
+def accelerator_for(cfg: "Config", trackers: list[Any] | None = None) -> Any:
+    """accelerate's Accelerator with the preset's mixed precision (bf16 on CUDA, none on the CPU) and
+    the experiment trackers given (``trackers.for_run``).
 
     Launched as several processes (``accelerate launch``, ``imglora train --gpus N``) it joins their
     process group -- gloo between CPU processes, which needs ``cpu=True`` -- with
@@ -62,7 +67,7 @@ def accelerator_for(cfg: "Config") -> Any:
     device = devices.default_device()
     kwargs = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.process_timeout))]
     return Accelerator(mixed_precision=devices.mixed_precision(cfg, device), cpu=device.type == "cpu",
-                       kwargs_handlers=kwargs)
+                       kwargs_handlers=kwargs, log_with=trackers or None)
 
 
 def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device,
@@ -72,21 +77,58 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
     Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
     """
     lora_config = lora.inject(trainable.model, family, cfg.lora, cfg.train.seed)
-    for p in lora.trainable_parameters(trainable.model):
-        p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
+    encoders = text_encoders(trainable)
+    if encoders:  # lora.text_encoder: the same adapter on them; they stay in their dtype, on the device
+        trainable.text_configs = lora.inject_text_encoders(encoders, family, cfg.lora, cfg.train.seed)
+        for encoder in encoders.values():
+            to_device(encoder, device)
+    for module in (trainable.model, *encoders.values()):
+        for p in lora.trainable_parameters(module):
+            p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
     return lora_config, apply_memory(trainable.model, family, cfg, device, out, blocks_to_swap)  # fp8, swap, device
+
+
+def text_encoders(trainable: "Trainable") -> dict[str, torch.nn.Module]:
+    """The text encoders trained with the denoiser (lora.text_encoder), by component; {} without."""
+    return getattr(trainable, "text_encoders", None) or {}
+
+
+def text_adapters(trainable: "Trainable") -> dict[str, tuple[torch.nn.Module, Any]]:
+    """{component: (text encoder, its peft config)}, for Family.save_adapter."""
+    return {part: (encoder, trainable.text_configs[part]) for part, encoder in text_encoders(trainable).items()}
+
+
+def load_adapter(model: torch.nn.Module, trainable: "Trainable", family: "Family", folder: Any) -> None:
+    """A saved adapter's weights into ``model`` (the denoiser) and the text encoders trained with it."""
+    lora.load_adapter_state(model, family.read_adapter(folder))
+    for part, encoder in text_encoders(trainable).items():
+        lora.load_adapter_state(encoder, family.read_adapter(folder, part))
 
 
 def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accelerator: Any, *, total: int | None,
                   out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> Session:
     """LoRA, memory features, optimizer and (with ``total`` updates) the learning-rate schedule."""
     lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out, blocks_to_swap)
+    encoders = text_encoders(trainable)
     if accelerator.mixed_precision in ("bf16", "fp16"):  # every forward of a session runs under autocast
-        lora.keep_input_dtype(trainable.model)
+        for module in (trainable.model, *encoders.values()):
+            lora.keep_input_dtype(module)
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
-    optimizer = make_optimizer(cfg, params)
+    groups: list[Any] = params
+    if encoders:  # their adapter in a parameter group of its own, at train.text_encoder_lr
+        for encoder in encoders.values():
+            encoder.train()
+        text_params = [p for e in encoders.values() for p in lora.trainable_parameters(e)]
+        text_lr = cfg.train.text_encoder_lr or cfg.train.learning_rate
+        groups = [{"params": params}, {"params": text_params, "lr": text_lr}]
+        params = params + text_params
+    optimizer = make_optimizer(cfg, groups)
+    modes = optimizers.has_modes(optimizer)
     scheduler = make_scheduler(cfg, optimizer, total) if total is not None else None
+    ema = None
+    if cfg.train.ema:
+        ema = Ema(params, cfg.train.ema_decay, "cpu" if cfg.memory.ema_on_cpu else None)
     if accelerator.num_processes > 1:
         # Not wrapped in DDP: the processes sum their LoRA gradients in ``step`` (see distributed),
         # and the model keeps its own attributes (apply_memory already placed it).
@@ -96,7 +138,7 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
         trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
                                                          device_placement=[memory.swapper is None, True])
     return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
-                   cfg.train.max_grad_norm)
+                   cfg.train.max_grad_norm, ema, modes)
 
 
 def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, torch.Tensor], generator: Any,
@@ -134,8 +176,8 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     s.stage = "optimizer"
     if s.accelerator.num_processes > 1:
         distributed.sum_gradients(s.params)
-    if s.max_grad_norm:
-        s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm)
+    # The norm comes with clipping; without it (max norm inf) the gradients are multiplied by 1.0, exactly.
+    s.grad_norm = s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
     s.optimizer.step()
     if s.scheduler is not None:
         s.scheduler.step()
@@ -147,20 +189,45 @@ def simple_micros(batches: Iterable[dict[str, torch.Tensor]], generator: Any) ->
     return [Micro(b, generator) for b in batches]
 
 
+@contextlib.contextmanager
+def eval_weights(s: Session) -> Iterator[None]:
+    """The weights to save or evaluate, in the model for the duration. Schedule-free optimizers step
+    weights that are not the ones to use: their eval mode puts the averaged weights in; afterwards
+    the weights they step are put back bit for bit (a train/eval round trip is not exact, and
+    checkpoints and validation must not change the run). Other optimizers: the weights as they are."""
+    if not s.modes:
+        yield
+        return
+    with swapped(s.params, [p.detach().clone() for p in s.params]):  # put back the stepped weights after
+        s.optimizer.eval()
+        try:
+            yield
+        finally:
+            s.optimizer.train()
+
+
+def ema_weights(s: Session) -> contextlib.AbstractContextManager[None]:
+    """train.ema's moving average in the model for the duration; the trained weights are put back after."""
+    assert s.ema is not None
+    return swapped(s.params, s.ema.shadow)
+
+
 @torch.no_grad()
 def validation_loss(trainable: "Trainable", memory: MemorySetup, samples: list[Any], collate: Callable,
                     device: torch.device, seed: int, autocast: Callable[[], Any] = contextlib.nullcontext) -> float:
     """Mean loss over held-out samples with fixed noise per sample: comparable across updates and runs."""
     from .rng import SampleRNG
 
-    model = trainable.model
-    was_training = model.training
-    model.eval()  # no dropout
+    modules = [trainable.model, *text_encoders(trainable).values()]
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.eval()  # no dropout
     total = 0.0
     for i, sample in enumerate(samples):
         batch = {k: v.to(device) for k, v in collate([sample.variants[0]]).items()}
         total += float(forward_loss(trainable, memory, batch, SampleRNG([seed + 7919 * i], device), autocast))
-    model.train(was_training)
+    for m, mode in zip(modules, was_training):
+        m.train(mode)
     return total / len(samples)
 
 
@@ -168,23 +235,9 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
-def make_optimizer(cfg: "Config", params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    t = cfg.train
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                 weight_decay=t.weight_decay)
-    if t.optimizer == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=t.learning_rate, relative_step=False, scale_parameter=False, warmup_init=False,
-                         weight_decay=t.weight_decay)
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise ImgloraError("train.optimizer = \"adamw8bit\" needs bitsandbytes: `pip install bitsandbytes` "
-                           "(CUDA only), or set train.optimizer = \"adamw\"") from None
-    return bnb.optim.AdamW8bit(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                               weight_decay=t.weight_decay)
+def make_optimizer(cfg: "Config", params: list[Any]) -> torch.optim.Optimizer:
+    """``train.optimizer`` by name with ``train.optimizer_args`` (see :mod:`imglora.optimizers`)."""
+    return optimizers.make(cfg, params)
 
 
 def make_scheduler(cfg: "Config", optimizer: torch.optim.Optimizer, total: int) -> Any:

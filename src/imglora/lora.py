@@ -1,4 +1,13 @@
-"""LoRA adapters through peft: injection, the adapter state dict, and adapter strength."""
+"""Adapters through peft (LoRA, DoRA, LoHa, LoKr): injection, the adapter state dict, and strength.
+
+peft rather than the LyCORIS package: peft is already how the trainer injects, saves, resumes and
+scales LoRA, and it has all four types behind the same calls (``add_adapter``, its state dict,
+``set_scale``), so each type trains, checkpoints and resumes through the code LoRA uses.
+ComfyUI's loader needs three conversions of peft's tensors (``adapter_forms``: LoKr's alpha
+folded when both factors are full, LoKr's CP form written flat, DoRA's magnitude compensated for
+ComfyUI's normalisation), far less code than a second injection library with its own saving,
+fp8 and block-swap interplay.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import adapter_forms
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -25,28 +35,89 @@ def target_pattern(family: "Family", targets: list[str]) -> str | list[str]:
     return rf"{family.lora_scope}({alternatives})"
 
 
-def peft_config(family: "Family", settings: "LoraSettings") -> Any:
-    from peft import LoraConfig
-
-    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=target_pattern(family, settings.targets), init_lora_weights=True)
+ADAPTER_PREFIXES = adapter_forms.ADAPTER_PREFIXES  # peft's adapter tensors: LoRA/DoRA, LoHa, LoKr
 
 
-def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: int) -> Any:
-    """Add a LoRA adapter to ``model`` (base weights frozen) and return its peft config.
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a parameter name (``...to_q.lora_A.default.weight``, ``...hada_w1_a.default``) is an adapter's."""
+    return any(part.startswith(ADAPTER_PREFIXES) for part in name.split("."))
 
-    A is initialised from ``seed`` (B starts at zero, so the model's output is unchanged).
+
+def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | None = None,
+                targets: str | list[str] | None = None) -> Any:
+    """The peft config of ``lora.type``: LoraConfig (``use_dora`` for DoRA), LoHaConfig or LoKrConfig.
+
+    With ``model``, the adapted Conv2d layers get ``lora.conv_rank`` / ``lora.conv_alpha`` through
+    peft's ``rank_pattern`` / ``alpha_pattern`` (one exact, escaped module name each). ``targets``:
+    peft target_modules other than the family's (e.g. a text encoder's).
     """
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    s = settings
+    targets = target_pattern(family, s.targets) if targets is None else targets
+    if s.type in ("lora", "dora"):
+        config = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
+                            init_lora_weights=True, use_dora=s.type == "dora")
+    else:
+        common = dict(r=s.rank, alpha=s.alpha, rank_dropout=s.rank_dropout, module_dropout=s.module_dropout,
+                      use_effective_conv2d=s.effective_conv2d, target_modules=targets, init_weights=True)
+        config = (LoHaConfig(**common) if s.type == "loha" else
+                  LoKrConfig(**common, decompose_both=s.decompose_both, decompose_factor=s.factor))
+    conv_rank, conv_alpha = conv_settings(s)
+    if model is not None and (conv_rank, conv_alpha) != (s.rank, s.alpha):
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        convs = [re.escape(name) for name, m in model.named_modules()
+                 if isinstance(m, nn.Conv2d) and check_target_module_exists(config, name)]
+        config.rank_pattern = {n: conv_rank for n in convs} if conv_rank != s.rank else {}
+        config.alpha_pattern = {n: conv_alpha for n in convs} if conv_alpha != s.alpha else {}
+    return config
+
+
+def conv_settings(s: "LoraSettings") -> tuple[int, float]:
+    """(rank, alpha) of the adapted Conv2d layers: lora.conv_rank / conv_alpha, where 0 means as
+    lora.rank, and as lora.alpha when conv layers keep lora.rank (else conv_rank: scale 1)."""
+    rank = s.conv_rank or s.rank
+    return rank, s.conv_alpha or (float(s.conv_rank) if s.conv_rank else s.alpha)
+
+
+def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: int,
+           targets: str | list[str] | None = None) -> Any:
+    """Add an adapter of ``lora.type`` to ``model`` (base weights frozen) and return its peft config.
+
+    Initialised from ``seed``; the update starts at zero (LoRA/DoRA: B = 0; LoHa: one pair's up
+    factor 0; LoKr: the second factor 0), so the model's output is unchanged.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     model.requires_grad_(False)
-    config = peft_config(family, settings)
+    config = peft_config(family, settings, model, targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config)
-    n = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A.default"))
-    if n == 0:
+    if not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
         raise ConfigError([f"lora.targets = {list(settings.targets) or list(family.lora_targets)} matched no "
                            f"module of the {family.name} model; check the names (see the family's defaults)"])
     return config
+
+
+def inject_text_encoders(encoders: dict[str, nn.Module], family: Any, settings: "LoraSettings",
+                         seed: int) -> dict[str, Any]:
+    """lora.text_encoder: the same adapter type on each text encoder's attention and MLP projections
+    (the family's ``text_encoder_targets`` within ``text_encoder_scope``), each initialised from its
+    own seed; returns their peft configs by component."""
+    from peft import inject_adapter_in_model
+
+    alternatives = "|".join(re.escape(n) for n in family.text_encoder_targets)
+    configs = {}
+    for i, (part, encoder) in enumerate(encoders.items(), 1):
+        encoder.requires_grad_(False)
+        config = peft_config(family, settings, encoder, rf".*{family.text_encoder_scope}({alternatives})")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + i)
+            inject_adapter_in_model(config, encoder)  # transformers' add_adapter wants peft's LoRA only
+        configs[part] = config
+    return configs
 
 
 def keep_input_dtype(model: nn.Module) -> int:
@@ -72,7 +143,8 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """LoRA weights keyed by module path (``<module>.lora_A.weight``), detached, on the CPU."""
+    """Adapter weights keyed by module path (``<module>.lora_A.weight``, ``<module>.hada_w1_a``, ...),
+    detached, on the CPU."""
     from peft.utils import get_peft_model_state_dict
 
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
@@ -91,11 +163,12 @@ def set_strength(model: nn.Module, strength: float) -> None:
     """Scale every LoRA layer's update by ``strength``; 0 disables the adapter, so each layer runs
     its base layer alone and the output is the base model's exactly."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lycoris_utils import LycorisLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):
             m.enable_adapters(strength != 0)
-        if isinstance(m, LoraLayer) and strength != 0:
+        if isinstance(m, (LoraLayer, LycorisLayer)) and strength != 0:
             for name in list(m.scaling):
                 m.set_scale(name, strength)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .lora import conv_settings
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         "ss_max_train_steps": rec.get("total_updates") or t.max_steps or None,
         "ss_learning_rate": t.learning_rate,
         "ss_unet_lr": t.learning_rate,
+        "ss_text_encoder_lr": (t.text_encoder_lr or t.learning_rate) if cfg.lora.text_encoder else None,
+        "ss_network_train_unet_only": not cfg.lora.text_encoder,
         "ss_lr_scheduler": t.scheduler,
         "ss_lr_warmup_steps": t.warmup_steps,
         "ss_optimizer": t.optimizer,
@@ -79,12 +82,14 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         "imglora.format": fmt,
         "imglora.run": cfg.run.name,
         "imglora.source": source.label,
+        "imglora.weights": "ema" if source.path.parent.name == "adapter_ema" else "raw",
         "imglora.base_model": cfg.model.path,
         "imglora.base_model_checksums": json.dumps(checksums, sort_keys=True, separators=(",", ":"))
                                         if checksums else None,
         "imglora.base_model_hash": _summary_hash(checksums),
         "imglora.dataset_version": rec.get("dataset_version"),
         **family.export_metadata(cfg, rec),
+        **adapter_type_metadata(cfg, sorted({m.kind for m in modules.values()})),
     }
     meta.update(base_model_hashes(rec, checksums))
     sets = rec.get("dataset_sets") or []
@@ -99,6 +104,23 @@ def build_metadata(source: Any, cfg: "Config", family: "Exportable", name: str, 
         folder = Path(first.dir or "dataset").name
         meta["ss_tag_frequency"] = json.dumps({folder: {trigger: rec.get("dataset_items") or 1}})
     return {k: str(v) for k, v in meta.items() if v is not None}
+
+
+def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
+    """What kohya and LyCORIS write for the adapter type: LoHa/LoKr are ``lycoris.kohya`` networks
+    with their ``algo``; DoRA is kohya's ``dora_wd``."""
+    lo, kind = cfg.lora, kinds[0] if len(kinds) == 1 else cfg.lora.type
+    out: dict[str, Any] = {"imglora.adapter_type": kind}
+    if kind in ("loha", "lokr"):
+        conv_rank, conv_alpha = conv_settings(lo)
+        args = {"algo": kind, "conv_dim": str(conv_rank), "conv_alpha": f"{conv_alpha:g}",
+                "use_tucker": str(lo.effective_conv2d)}
+        if kind == "lokr":
+            args |= {"factor": str(lo.factor), "decompose_both": str(lo.decompose_both)}
+        out |= {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args)}
+    elif kind == "dora":
+        out["ss_network_args"] = json.dumps({"dora_wd": "True"})
+    return out
 
 
 def base_model_hashes(rec: dict[str, Any], checksums: dict[str, str]) -> dict[str, str]:

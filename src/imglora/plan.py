@@ -183,17 +183,20 @@ def optimizer_bytes(cfg: "Config", params: list[tuple[str, int, tuple[int, ...]]
         # exp_avg + exp_avg_sq in fp32; on CUDA the foreach path makes one param-sized temporary
         # (the sqrt of exp_avg_sq), on the CPU the per-tensor path one tensor at a time.
         return 8 * n, (4 * n if cuda else 8 * largest), "AdamW: 2 fp32 states"
-    if name == "adamw8bit":
+    if name in ("adamw8bit", "paged_adamw8bit", "lion8bit"):
         # bitsandbytes: 1-byte states with an fp32 absmax per 256 values for tensors of >= 4096
-        # values, fp32 states below that.
-        state = 0
-        for _, k, _ in params:
-            state += 2 * k + 2 * 4 * math.ceil(k / 256) if k >= 4096 else 8 * k
-        return state, 8 * largest, "AdamW 8-bit (bitsandbytes)"
+        # values, fp32 states below that; AdamW two states, Lion one.
+        k_states = 1 if name == "lion8bit" else 2
+        state = sum(k_states * (k + 4 * math.ceil(k / 256)) if k >= 4096 else 4 * k_states * k for _, k, _ in params)
+        return state, 8 * largest, f"{name} (bitsandbytes): {k_states} 8-bit state{'s' * (k_states > 1)}"
     if name == "adafactor":
         # factored second moment (a row and a column vector) for matrices, no first moment.
         state = sum(4 * (s[0] + math.prod(s[1:])) if len(s) >= 2 else 4 * k for _, k, s in params)
         return state, 8 * largest, "Adafactor: factored second moment, no momentum"
+    if name == "prodigy":  # exp_avg, exp_avg_sq, and its step-size estimate's s and p0 (slice_p 1)
+        return 16 * n, 4 * n, "Prodigy: 4 fp32 states"
+    if name == "schedulefree_adamw":  # z and exp_avg_sq
+        return 8 * n, 4 * n, "schedule-free AdamW: 2 fp32 states"
     return 8 * n, 4 * n, f"{name}: assumed like AdamW (2 fp32 states)"
 
 
@@ -257,7 +260,9 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         slots = sum(min(slots_per_shape, len(sizes)) * max(sizes) for sizes in pools.values())
         non_block = frozen_bytes(model, quantized) - in_blocks
         lora_bytes = 4 * sum(k for _, k, _ in prof.lora_params)
+        ema_device = lora_bytes if cfg.train.ema and not (cuda and cfg.memory.ema_on_cpu) else 0
         state, temps, opt_note = optimizer_bytes(cfg, prof.lora_params, cuda)
+        state += ema_device
         dequant = 0
         if quantized:
             # quanto's matmul (CPU, and CUDA for fp8 weights) makes the weight in the compute dtype,
@@ -277,8 +282,9 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
                  resident, dev),
             Term("swap_slots", f"swap slots ({slots_per_shape} per block shape)", slots, dev),
             Term("weights_non_block", "weights outside the blocks", non_block, dev),
-            Term("lora", "LoRA weights (fp32)", lora_bytes, dev),
-            Term("optimizer_state", opt_note, state, dev),
+            Term("lora", f"{cfg.lora.type} adapter weights (fp32)", lora_bytes, dev),
+            Term("optimizer_state", opt_note + (", + the adapter's moving average (train.ema)" if ema_device else ""),
+                 state, dev),
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
             Term("activations_saved", "activations kept for backward (checkpoint boundaries)", saved, dev),
             Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),

@@ -11,12 +11,13 @@ from the checkpoint on (``continue_schedule``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import checkpoint, lora
+from . import checkpoint, loop, optimizers
 from .errors import ImgloraError
 
 if TYPE_CHECKING:
@@ -38,19 +39,27 @@ def refuse_existing_run(run_dir: Path, command: str) -> None:
 
 
 def check_dependencies(cfg: "Config") -> None:
-    """Settings that need bitsandbytes (and CUDA) fail before any model is loaded."""
-    needs = [(cfg.train.optimizer == "adamw8bit", 'train.optimizer = "adamw8bit"', 'train.optimizer = "adamw"'),
-             (cfg.memory.quantization == "nf4", 'memory.quantization = "nf4"', 'memory.quantization = "qint4"')]
-    for wanted, setting, instead in needs:
-        if not wanted:
-            continue
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise ImgloraError(f"{setting} needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or set "
-                               f"{instead}") from None
-        if not torch.cuda.is_available():
-            raise ImgloraError(f"{setting} needs a CUDA GPU; on this machine set {instead}")
+    """Packages the settings need, all named in one error with the one ``pip install`` that brings
+    them, before any model is loaded; nf4 also needs CUDA."""
+    from importlib.util import find_spec
+
+    needs: list[tuple[str, str]] = []  # (setting, package)
+    if package := optimizers.missing_package(cfg):
+        needs.append((f'train.optimizer = "{cfg.train.optimizer}"', package))
+    for tracker in cfg.run.log_with:
+        if find_spec(tracker) is None:
+            needs.append((f'run.log_with = {json.dumps(list(cfg.run.log_with))}', tracker))
+    nf4 = cfg.memory.quantization == "nf4"
+    if nf4 and find_spec("bitsandbytes") is None:
+        needs.append(('memory.quantization = "nf4"', "bitsandbytes"))
+    if needs:
+        what = "; ".join(f"{setting} needs {package}" for setting, package in needs)
+        packages = " ".join(dict.fromkeys(package for _, package in needs))
+        instead = ', or set memory.quantization = "qint4"' if nf4 else ""
+        raise ImgloraError(f"{what}: `pip install {packages}`{instead}")
+    if nf4 and not torch.cuda.is_available():
+        raise ImgloraError('memory.quantization = "nf4" needs a CUDA GPU; on this machine set memory.quantization = '
+                           '"qint4"')
 
 
 def resume_point(run_dir: Path, cfg: "Config", families: Any) -> dict[str, Any]:
@@ -112,7 +121,17 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
     if total < state["step"]:
         raise checkpoint.ResumeRefused(f"--resume refused: {path} is at update {state['step']}, beyond the "
                                        f"{total} updates this run would have; raise train.max_steps or train.epochs")
-    lora.load_adapter_state(session.model, family.read_adapter(state["adapter_dir"]))
+    if session.ema is not None:
+        if state["ema_dir"] is None:
+            raise checkpoint.ResumeRefused(f"--resume refused: {path} holds no moving average (adapter_ema/), but "
+                                           "train.ema is on")
+        loop.load_adapter(session.model, session.trainable, family, state["ema_dir"])
+        session.ema.load(session.params)
+    loop.load_adapter(session.model, session.trainable, family, state["adapter_dir"])
+    if state["train_params"] is not None:  # the weights a schedule-free optimizer steps (the adapter: its average)
+        with torch.no_grad():
+            for i, p in enumerate(session.params):
+                p.copy_(state["train_params"][str(i)])
     session.optimizer.load_state_dict(state["optimizer_state"])
     session.scheduler.load_state_dict(state["scheduler"])
     if before not in (None, total):

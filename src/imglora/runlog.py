@@ -1,4 +1,4 @@
-"""A run's log: ``log.jsonl`` rows, the progress line, the loss-curve PNG, TensorBoard events."""
+"""A run's log: ``log.jsonl`` rows, the progress line, the loss-curve PNG (trackers: ``trackers``)."""
 
 from __future__ import annotations
 
@@ -45,14 +45,6 @@ def progress_line(step: int, total: int, row: dict[str, Any], times: list[float]
            if device.type == "cuda" else "")
     return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
             f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
-
-
-def tensorboard(run_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
 
 
 def plotting() -> Any:

@@ -17,7 +17,10 @@ def strength_label(s: float) -> str:
 
 
 def write_outputs(folder: Path, grid: list[list[Any]], prompts: list[str], strengths: list[float],
-                   title: str) -> tuple[list[list[Path]], Path]:
+                   title: str, ema: list[bool] | None = None) -> tuple[list[list[Path]], Path]:
+    """One file per image (``p{prompt}_s{strength}``, ``p{prompt}_ema_s{strength}`` for a column of
+    train.ema's moving average: ``ema[j]``) and the contact sheet (or answers.md for text)."""
+    ema = ema or [False] * len(strengths)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("p*_s*.*"):  # an earlier evaluation's, maybe with other prompts or strengths
         stale.unlink()
@@ -38,20 +41,22 @@ def write_outputs(folder: Path, grid: list[list[Any]], prompts: list[str], stren
         return paths, sheet
     for i, row in enumerate(grid):
         paths.append([])
-        for s, image in zip(strengths, row):
-            path = folder / f"p{i}_s{strength_label(s)}.png"
+        for s, e, image in zip(strengths, ema, row):
+            path = folder / f"p{i}{'_ema' if e else ''}_s{strength_label(s)}.png"
             with atomic.atomic_path(path, suffix=".png") as tmp:
                 image.save(tmp, format="PNG")
             paths[-1].append(path)
     sheet = folder / "contact_sheet.png"
     with atomic.atomic_path(sheet, suffix=".png") as tmp:
-        contact_sheet(grid, prompts, strengths, title).save(tmp, format="PNG")
+        contact_sheet(grid, prompts, strengths, title, ema).save(tmp, format="PNG")
     return paths, sheet
 
 
 def contact_sheet(grid: list[list["Image.Image"]], prompts: list[str], strengths: list[float],
-                  title: str = "") -> "Image.Image":
-    """Rows are prompts (labelled with the prompt text), columns adapter strengths (0 = the base model)."""
+                  title: str = "", ema: list[bool] | None = None) -> "Image.Image":
+    """Rows are prompts (labelled with the prompt text), columns adapter strengths (0 = the base
+    model), of the trained weights or (``ema[j]``) of their moving average."""
+    ema = ema or [False] * len(strengths)
     from PIL import Image, ImageDraw
 
     side = max(im.width for row in grid for im in row)
@@ -66,8 +71,8 @@ def contact_sheet(grid: list[list["Image.Image"]], prompts: list[str], strengths
     sheet = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(sheet)
     draw.text((pad, pad), title, fill="black", font=font)
-    for j, s in enumerate(strengths):
-        label = "strength 0 (base)" if s == 0 else f"strength {strength_label(s)}"
+    for j, (s, e) in enumerate(zip(strengths, ema)):
+        label = "strength 0 (base)" if s == 0 else f"{'EMA ' if e else ''}strength {strength_label(s)}"
         draw.text((label_w + j * (cell + pad), pad + fs + pad), label, fill="black", font=font)
     max_lines = max(1, cell // (fs + 3))
     for i, prompt in enumerate(prompts):

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from safetensors.torch import save_file
 
-from . import atomic, checkpoint, devices, distributed, economics, loop, oom, plan, record, resume, runlog, telemetry
+from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan, record, resume,
+               runlog, telemetry, trackers)
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
@@ -64,7 +66,9 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     check_swap_counts(family, src, cfg)
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
-    accelerator = loop.accelerator_for(cfg)
+    # Trackers write from the main process only (one wandb run id, one TensorBoard folder).
+    accelerator = loop.accelerator_for(cfg, trackers.for_run(cfg, run_dir) if distributed.rank_from_env() == 0
+                                       else None)
     procs, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
     if resume_from is not None:
         resume.check_processes(resume_from, procs, command)
@@ -86,7 +90,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         # Encodings over all processes: the main one fills the cache, the others only read it.
         encoded = int(distributed.sum_all(torch.tensor(data.encoded, device=device)).item()) if procs > 1 else data.encoded
         rec.set(cache_encoded=encoded)
-        for w in data.warnings:
+        for w in [*data.warnings, *filter(None, [optimizers.note(cfg)])]:
             out(f"warning: {w}")
         out(f"data: {data.summary}")
         with rec.phase("load_model"):
@@ -128,6 +132,8 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
                 loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device),
                           run.loss_sum)
                 run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+                if session.ema is not None and step % cfg.train.ema_every == 0:
+                    session.ema.update(session.params)
                 if procs > 1:
                     run.agree(stop)  # every process stops at the same update, for the same reason
                 if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
@@ -171,7 +177,7 @@ class _Run:
         self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
         self.log_path = self.run_dir / "log.jsonl"
         self.history = runlog.read(self.log_path, upto=start)
-        self.tb = runlog.tensorboard(self.run_dir) if self.main else None
+        self.trackers = trackers.start(session.accelerator, cfg, "train") if self.main else None
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
         self.loss_sum = torch.zeros((), device=self.device)
@@ -211,15 +217,18 @@ class _Run:
         self.last_log_t, self.last_log_step = now, step
         self.check_finite()
         mem = telemetry.memory(self.device)
+        grad_norm = float(self.s.grad_norm) if self.s.grad_norm is not None else None
         row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
-               "sec_per_update": per_update, "peak_allocated": mem["peak_allocated"],
+               "sec_per_update": per_update, "grad_norm": grad_norm, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
         self.history.append(row)
         if self.main:
             runlog.append(self.log_path, row)
-        if self.tb and self.main:
-            self.tb.add_scalar("loss", loss_value, step)
-            self.tb.add_scalar("lr", row["lr"], step)
+        if self.trackers:
+            self.trackers.scalars({"train/loss": loss_value, "train/lr": row["lr"], "train/sec_per_update": per_update,
+                                   "train/grad_norm": grad_norm, "train/peak_allocated": mem["peak_allocated"],
+                                   "train/peak_reserved": mem["peak_reserved"], "train/peak_rss": mem["peak_rss"]},
+                                  step)
         self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
         budget = self.cfg.train.budget
         if self.main and self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps \
@@ -244,16 +253,31 @@ class _Run:
 
     def validate(self, step: int) -> None:
         s = self.s
-        with self.stages("evaluation"):
+        with self.stages("evaluation"), loop.eval_weights(s):
             val = loop.validation_loss(s.trainable, s.memory, self.data.validation, self.family.collate,
                                        self.device, self.cfg.train.seed, s.accelerator.autocast)
         self.history.append({"step": step, "val_loss": val, "time": time.time()})
+        if self.trackers:
+            self.trackers.scalars({"val/loss": val}, step)
         if self.main:
             runlog.append(self.log_path, self.history[-1])
         self.out(f"  validation loss at update {step}: {val:.4f} ({len(self.data.validation)} held-out examples)")
 
-    def write_adapter(self, folder: Path) -> Path:
-        return self.family.save_adapter(self.s.model, self.s.lora_config, folder)
+    def write_adapter(self, folder: Path, ema: bool = False) -> Path:
+        """The adapter to use (schedule-free: its averaged weights), or train.ema's moving average."""
+        with loop.ema_weights(self.s) if ema else loop.eval_weights(self.s):
+            return self.family.save_adapter(self.s.model, self.s.lora_config, folder,
+                                            text_encoders=loop.text_adapters(self.s.trainable))
+
+    def write_weights(self, folder: Path) -> None:
+        """A checkpoint's weights: the adapter, the moving average, and the weights a schedule-free
+        optimizer steps (what resuming needs beside the adapter)."""
+        self.write_adapter(folder / "adapter")
+        if self.s.ema is not None:
+            self.write_adapter(folder / checkpoint.EMA_DIR, ema=True)
+        if self.s.modes:
+            save_file({str(i): p.detach().cpu().contiguous() for i, p in enumerate(self.s.params)},
+                      str(folder / checkpoint.TRAIN_PARAMS))
 
     def checkpoint(self, step: int) -> Path:
         self.check_finite()
@@ -262,7 +286,7 @@ class _Run:
             self.last_good_ckpt = step
             return checkpoint.step_dir(self.run_dir, step)
         with self.rec.phase("checkpoints"), self.stages("checkpoint saving"):
-            path = checkpoint.save(self.run_dir, step, write_adapter=self.write_adapter, optimizer=self.s.optimizer,
+            path = checkpoint.save(self.run_dir, step, write_weights=self.write_weights, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
                                    extra={"dataset_version": self.data.version, "total_updates": self.total,
@@ -299,10 +323,13 @@ class _Run:
         if not interrupted and self.main:
             with atomic.atomic_dir(self.run_dir / "adapter") as tmp, self.stages("checkpoint saving"):
                 adapter = self.run_dir / "adapter" / self.write_adapter(tmp).relative_to(tmp)
+            if self.s.ema is not None:
+                with atomic.atomic_dir(self.run_dir / checkpoint.EMA_DIR) as tmp, self.stages("checkpoint saving"):
+                    self.write_adapter(tmp, ema=True)
         if self.main:
             runlog.plot_loss(self.history, self.run_dir / "loss.png")
-        if self.tb:
-            self.tb.close()
+        if self.trackers:
+            self.trackers.close()
         targets = self.s.lora_config.target_modules
         rec.set(finish_seconds=round(time.perf_counter() - t_finish, 3))
         rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
@@ -311,8 +338,9 @@ class _Run:
                 final_loss=next((r["loss"] for r in reversed(self.history) if "loss" in r), None),
                 final_val_loss=next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None),
                 adapter=str(adapter) if adapter else None, last_checkpoint=str(ckpt_path) if ckpt_path else None,
-                lora={"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
-                      "targets": sorted(targets) if isinstance(targets, set) else targets})
+                lora={"type": cfg.lora.type, "rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+                      "targets": sorted(targets) if isinstance(targets, set) else targets,
+                      "text_encoders": sorted(loop.text_encoders(self.s.trainable))})
         if self.projection:
             actual = time.perf_counter() - self.t_setup
             rec.set(projection={**self.projection.to_dict(), "actual_seconds": round(actual, 3),

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import atomic, devices, lora, loop, record, sheets, telemetry
-from ..checkpoint import list_checkpoints
+from .. import atomic, devices, lora, loop, record, sheets, telemetry, trackers
+from ..checkpoint import EMA_DIR, list_checkpoints
 from ..errors import ImgloraError
 from ..family import Sampler, Swappable, supports
 from ..memory.wrap import check_swap_counts
@@ -127,11 +127,25 @@ def eval_memory(cfg: "Config", family: "Family") -> tuple[dict[str, Any], int | 
     return changes, swap
 
 
+def eval_weights(weights: str, cfg: "Config") -> list[str]:
+    """The weights to evaluate, in column order: raw, ema, both, or auto (both when the run kept a
+    moving average, else raw)."""
+    if weights == "auto":
+        return ["raw", "ema"] if cfg.train.ema else ["raw"]
+    if weights not in ("raw", "ema", "both"):
+        raise ImgloraError(f"--weights {weights}: choose raw, ema, both or auto")
+    if weights != "raw" and not cfg.train.ema:
+        raise ImgloraError(f"--weights {weights}: the run was trained without train.ema, so it has no moving "
+                           "average; use --weights raw")
+    return ["raw", "ema"] if weights == "both" else [weights]
+
+
 def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_checkpoints: bool = False,
              prompts_file: str | Path | None = None, strengths: Sequence[float] | None = None,
-             seed: int | None = None, overrides: Sequence[str] = (),
+             seed: int | None = None, overrides: Sequence[str] = (), weights: str = "auto",
              out: Callable[[str], None] = print) -> EvalResult:
-    """Evaluate checkpoints of a trained run; see the module docstring for what is written."""
+    """Evaluate checkpoints of a trained run; see the module docstring for what is written.
+    ``weights``: see :func:`eval_weights` (with two, the sheet has columns for each)."""
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     bad = [o for o in overrides if not o.strip().startswith("eval.")]
@@ -149,6 +163,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
     if not strengths:
         raise ImgloraError("no adapter strengths to evaluate; give e.g. --strengths 0,0.5,1")
     seed = cfg.eval.seed if seed is None else seed
+    kinds = eval_weights(weights, cfg)
     device = devices.default_device()
     dtype = devices.weight_dtype(cfg, device)  # as in training
 
@@ -157,7 +172,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
     result = EvalResult(run_dir, [s for s, _ in targets])
     try:
         _evaluate(cfg, family, run_dir, targets, prompts_file, strengths, seed, device, dtype, swap, rec, peaks,
-                  result, out)
+                  result, out, kinds)
     except BaseException as exc:
         rec.set(error=f"{type(exc).__name__}: {exc}", **peaks.facts(), seconds=round(time.perf_counter() - t_start, 3))
         rec.write(status="failed")
@@ -173,7 +188,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
 def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tuple[int, Path]],
               prompts_file: str | Path | None, strengths: list[float], seed: int, device: torch.device,
               dtype: torch.dtype, swap: int | None, rec: record.RunRecord, peaks: "_PhasePeaks", result: EvalResult,
-              out: Callable[[str], None]) -> None:
+              out: Callable[[str], None], kinds: list[str]) -> None:
     with peaks.phase("resolve_model"):
         src = resolve_model(cfg.model, family)
         check_swap_counts(family, src, cfg, swap)
@@ -200,12 +215,32 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             # grad, which changes the last bits; a model as diffusers loads it has requires_grad=True, so
             # this makes strength 0 equal the base pipeline bit for bit. Everything here runs under no_grad.
             for name, p in model.named_parameters():
-                if "lora_" not in name:
+                if not lora.is_adapter_parameter(name):
                     p.requires_grad_(True)
         sampler = family.load_sampler(src, model, cfg, device, dtype)
     settings = getattr(sampler, "settings", {})
     hook = model.register_forward_pre_hook(lambda *_: memory.before_forward())  # block swap prefetch
-    autocast = loop.accelerator_for(cfg).autocast  # the training step's mixed precision
+    accelerator = loop.accelerator_for(cfg, trackers.for_run(cfg, run_dir))
+    autocast = accelerator.autocast  # the training step's mixed precision
+    tracked = trackers.start(accelerator, cfg, "eval")  # run.log_with: into the training's run
+
+    encoders = loop.text_encoders(trainable)  # lora.text_encoder: prompts encoded by the adapted encoders
+    tokens = []
+    if encoders:
+        tokenizers, max_len = family.load_tokenizers(src), cfg.cache.text_max_length or family.text_max_length
+        tokens = [{k: v[None].to(device) for k, v in family.tokenize(tokenizers, p, max_len).items()} for p in prompts]
+
+    def strength(s: float) -> None:
+        for module in (model, *encoders.values()):
+            lora.set_strength(module, s)
+
+    def prompts_now() -> list[Any]:
+        """The prompts' embeddings as the text encoders give them at this adapter and strength (the
+        cached-style ones from the frozen encoders without lora.text_encoder)."""
+        if not encoders:
+            return encoded
+        with torch.no_grad(), autocast():
+            return [{**e, **{k: v[0] for k, v in trainable.encode_text(t).items()}} for e, t in zip(encoded, tokens)]
 
     def losses() -> dict[str, float | None]:
         with peaks.phase("loss"):
@@ -213,41 +248,55 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
                     "train": _fixed_noise_loss(trainable, train, family, device, memory, cfg.train.seed, autocast)}
 
     base_images: list[Any] | None = None
-    bar = Progress(len(targets) * len(prompts) * len(strengths), "eval samples")
+    # The columns: each weights' strengths (the base model, strength 0, once).
+    columns = [(k, s) for n, k in enumerate(kinds) for s in strengths if not (s == 0 and n > 0)]
+    bar = Progress(len(targets) * len(prompts) * len(columns), "eval samples")
     try:
         out(f"  scoring the base model's loss on {len(held)} held-out and {len(train)} training image(s)")
-        lora.set_strength(model, 0.0)
+        strength(0.0)
         result.base_loss = losses()
         for step, adapter_dir in targets:
-            lora.load_adapter_state(model, family.read_adapter(adapter_dir))
-            lora.set_strength(model, 1.0)
-            result.losses[step] = losses()
-            grid: list[list[Any]] = [[None] * len(strengths) for _ in prompts]
-            with peaks.phase("generate"):
-                for j, s in enumerate(strengths):
-                    if s == 0 and base_images is not None:  # the base model: the same for every checkpoint
-                        for i in range(len(prompts)):
-                            grid[i][j] = base_images[i]
-                        bar.update(len(prompts))
-                        continue
-                    lora.set_strength(model, s)
-                    for i, e in enumerate(encoded):
-                        grid[i][j] = sampler(e, seed)
-                        bar.update()
-                    if s == 0:
-                        base_images = [grid[i][j] for i in range(len(prompts))]
+            grid: list[list[Any]] = [[None] * len(columns) for _ in prompts]
+            for kind in kinds:
+                folder = adapter_dir if kind == "raw" else adapter_dir.parent / EMA_DIR
+                loop.load_adapter(model, trainable, family, folder)
+                strength(1.0)
+                if kind == kinds[0]:
+                    result.losses[step] = losses()
+                else:  # the moving average's figures beside the trained weights'
+                    result.losses[step][kind] = losses()
+                with peaks.phase("generate"):
+                    for j, (k, s) in enumerate(columns):
+                        if k != kind:
+                            continue
+                        if s == 0 and base_images is not None:  # the base model: the same for every checkpoint
+                            for i in range(len(prompts)):
+                                grid[i][j] = base_images[i]
+                            bar.update(len(prompts))
+                            continue
+                        strength(s)
+                        for i, e in enumerate(prompts_now()):
+                            grid[i][j] = sampler(e, seed)
+                            bar.update()
+                        if s == 0:
+                            base_images = [grid[i][j] for i in range(len(prompts))]
             folder = run_dir / "eval" / f"step-{step:06d}"
             lo = result.losses[step]
             kind = "heldout" if lo["heldout"] is not None else "train"
             label = "held-out loss" if kind == "heldout" else "training-image loss"
             title = (f"{run_dir.name} - step {step} - {label} {_fmt(lo[kind])} "
                      f"(base model {_fmt(result.base_loss[kind])})")
-            result.images[step], result.sheets[step] = sheets.write_outputs(folder, grid, prompts, strengths, title)
+            result.images[step], result.sheets[step] = sheets.write_outputs(
+                folder, grid, prompts, [s for _, s in columns], title, [k == "ema" for k, _ in columns])
             out(f"  step {step}: held-out loss {_fmt(lo['heldout'])}, training-image loss {_fmt(lo['train'])}; "
-                f"{len(prompts) * len(strengths)} samples, sheet {result.sheets[step]}")
+                f"{len(prompts) * len(columns)} samples, sheet {result.sheets[step]}")
+            if tracked:
+                _track(tracked, step, lo, result.sheets[step])
     finally:
         bar.close()
         hook.remove()
+        if tracked:
+            tracked.close()
 
     table = _merge_losses(run_dir / "eval" / "losses.json", cfg, data.version, len(held), len(train),
                           result, targets)
@@ -268,12 +317,24 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             sampling=settings, memory=memory.facts,
             memory_settings={"fp8": cfg.memory.fp8, "blocks_to_swap": cfg.memory.blocks_to_swap,
                              "swap": memory.facts.get("swap")},
-            loss_settings=table["settings"], base_loss=result.base_loss,
+            loss_settings=table["settings"], base_loss=result.base_loss, weights=kinds,
             losses=[{"step": s, **result.losses[s], "adapter": str(a)} for s, a in targets],
             best_step=result.best_step,
             best_checkpoint=next((r["adapter"] for r in rows if r["step"] == result.best_step), None),
             outputs={"sheets": {str(k): str(v) for k, v in result.sheets.items()},
                      "losses": str(result.losses_file), "plot": str(result.plot) if result.plot else None})
+
+
+def _track(tracked: "trackers.Trackers", step: int, lo: dict[str, Any], sheet: Path) -> None:
+    """A checkpoint's losses (and its moving average's) and contact sheet, into the run's trackers."""
+    values = {f"eval/{k}_loss": lo[k] for k in ("heldout", "train")}
+    values |= {f"eval/{k}_loss_ema": lo["ema"][k] for k in ("heldout", "train") if "ema" in lo}
+    tracked.scalars(values, step)
+    if sheet.suffix == ".png":
+        from PIL import Image
+
+        with Image.open(sheet) as im:
+            tracked.images("eval/contact_sheet", [im.convert("RGB")], step)
 
 
 @torch.no_grad()

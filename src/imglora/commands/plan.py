@@ -87,11 +87,17 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
                    "micro-batch's forward and backward run there (checked within 10 % of real CPU runs)")
     p.notes.append("not counted: filling the cache (`imglora cache-latents`), which loads the VAE and text "
                    "encoders once, before the model; run it first and training never loads them")
+    if cfg.lora.text_encoder:
+        kept = (f"; {', '.join(family.frozen_text_outputs)} of the frozen encoders stays cached"
+                if family.frozen_text_outputs else "; no text output is cached")
+        p.notes.append(f"lora.text_encoder: {' and '.join(family.text_encoder_parts)} train with the adapter, so their "
+                       f"outputs can no longer be cached: they stay loaded and run in every update{kept}; their "
+                       "weights, activations and adapter are not counted above")
     if device == "cuda":
         p.notes.append("a card needs the peak x 1.05 (allocator rounding) + about 0.5 GiB (CUDA context); "
                        "host RAM counts this process as measured now, without CUDA's libraries")
     b = cfg.train.batch_size
-    out(f"{family.name} at {p.resolution}x{p.resolution}, batch {b}, LoRA rank {cfg.lora.rank}, "
+    out(f"{family.name} at {p.resolution}x{p.resolution}, batch {b}, {cfg.lora.type} rank {cfg.lora.rank}, "
         f"{cfg.train.optimizer}, gradient checkpointing {'on' if cfg.memory.gradient_checkpointing else 'off'}, "
         f"for a {device.upper()} machine" + (f" with {gpus} GPUs (data parallel; per GPU, host RAM for all):"
                                              if gpus > 1 else ":"))

@@ -30,7 +30,32 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")
+    _adapter_checks(cfg, where, problems)
+    from .. import optimizers
+
+    optimizers.check(cfg, where, problems)
+    if t.ema and optimizers.is_schedule_free(t.optimizer):
+        problems.append(f"{where('train.ema')}: a schedule-free optimizer already averages its iterates (its eval "
+                        "weights are what is saved); train.ema on top is not supported")
     data_checks(d, where, problems)
+
+
+def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    """Each [lora] key belongs to some adapter types; one set for another type is an error, not ignored."""
+    lo, kind = cfg.lora, cfg.lora.type
+    only = {"dropout": ("lora", "dora"), "rank_dropout": ("loha", "lokr"), "module_dropout": ("loha", "lokr"),
+            "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",)}
+    unset = {"dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "effective_conv2d": False, "factor": -1,
+             "decompose_both": False}
+    for key, kinds in only.items():
+        if kind not in kinds and getattr(lo, key) != unset[key]:
+            hint = {"dropout": " (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)",
+                    "rank_dropout": " (LoRA/DoRA: lora.dropout)", "module_dropout": " (LoRA/DoRA: lora.dropout)"}
+            problems.append(f"{where(f'lora.{key}')}: applies to lora.type = {' or '.join(map(repr, kinds))} only, "
+                            f"and lora.type = {kind!r}{hint.get(key, '')}")
+    if lo.factor == 0:
+        problems.append(f"{where('lora.factor')}: must be -1 (automatic) or a positive divisor, got 0")
+
 
 
 def set_key(data: DataConfig, index: int, key: str) -> str:

@@ -389,6 +389,10 @@ def _check_value(value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> tuple[s
             if err:
                 return f"item {i}: {err}", None
         return None, [float(v) if item_tp is float else v for v in value]
+    if origin is dict:  # a table passed through as it is (e.g. train.optimizer_args)
+        if not isinstance(value, dict):
+            return f"expected a table such as {{d_coef = 2}}, got {_describe(value)}", None
+        return None, dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return None, value

@@ -36,6 +36,8 @@ def setting(default: Any = REQUIRED, help: str = "", *, min: float | None = None
             "moved_from": moved_from, "inherit": inherit}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda d=tuple(default.items()): dict(d), metadata=meta)
     if default is REQUIRED:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -189,13 +191,39 @@ class CacheConfig:
         resume_safe=True)
 
 
+AdapterType = Literal["lora", "dora", "loha", "lokr"]
+
+
 @dataclass(frozen=True)
 class LoraConfig:
-    rank: int = setting(16, help="LoRA rank (dimension).", min=1, max=1024)
-    alpha: float = setting(0.0, help="LoRA alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
+    type: AdapterType = setting(
+        "lora", help="Adapter type, all through peft: lora; dora (LoRA plus a trained magnitude per output row, "
+                     "weight-decomposed); loha (LyCORIS LoHa: Hadamard product of two low-rank pairs); lokr "
+                     "(LyCORIS LoKr: Kronecker product of two factors). README: where each one loads.")
+    rank: int = setting(16, help="Adapter rank (dimension): LoRA/DoRA rank, LoHa's rank of each pair, LoKr's rank "
+                                 "of its low-rank factor(s).", min=1, max=1024)
+    alpha: float = setting(0.0, help="Adapter alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
                            min=0.0, max=65536.0)
-    dropout: float = setting(0.0, help="Dropout on the LoRA path.", min=0.0, max=0.99)
+    dropout: float = setting(0.0, help="LoRA/DoRA: dropout on the adapter's input.", min=0.0, max=0.99)
     targets: list[str] = setting([], help="Module names to adapt (peft target_modules); empty = the family's defaults.")
+    conv_rank: int = setting(0, help="Rank of the adapted Conv2d layers (LyCORIS conv_dim); 0 = lora.rank.",
+                             min=0, max=1024)
+    conv_alpha: float = setting(0.0, help="Alpha of the adapted Conv2d layers (LyCORIS conv_alpha); 0 = lora.alpha "
+                                          "if conv_rank is 0, else conv_rank.", min=0.0, max=65536.0)
+    effective_conv2d: bool = setting(
+        False, help="LoHa/LoKr on k×k Conv2d layers: the CP (Tucker) form of LyCORIS use_tucker / peft "
+                    "use_effective_conv2d, with a small core per kernel position; false = the flat form.")
+    factor: int = setting(-1, help="LoKr: the Kronecker factor (LyCORIS factor, peft decompose_factor); -1 = as "
+                                   "close to the square root of each dimension as divides it.", min=-1, max=65536)
+    decompose_both: bool = setting(False, help="LoKr: make the first (small) Kronecker factor low-rank too.")
+    rank_dropout: float = setting(0.0, help="LoHa/LoKr: dropout of whole rank components while training.",
+                                  min=0.0, max=0.99)
+    module_dropout: float = setting(0.0, help="LoHa/LoKr: probability of skipping a module's update in a forward.",
+                                    min=0.0, max=0.99)
+    text_encoder: bool = setting(
+        False, help="The adapter on the model's CLIP text encoders too (all of them; a T5 encoder stays frozen), "
+                    "with train.text_encoder_lr. Their outputs can then no longer be cached: each update encodes "
+                    "its captions' tokens (cached outputs of frozen encoders still are).")
 
 
 @dataclass(frozen=True)
@@ -221,8 +249,15 @@ class TrainConfig:
     epochs: int = setting(0, help="Passes over the dataset (with repeats), used when max_steps = 0.",
                           min=0, max=100_000)
     learning_rate: float = setting(1e-4, help="Peak learning rate.", min=0.0, max=1.0, min_exclusive=True)
-    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = setting(
-        "adamw", help="adamw (torch), adamw8bit (bitsandbytes) or adafactor (transformers).")
+    text_encoder_lr: float = setting(0.0, help="Peak learning rate of the text encoders' adapter (lora.text_encoder); "
+                                               "0 = learning_rate.", min=0.0, max=1.0)
+    optimizer: str = setting(
+        "adamw", help="adamw (torch), adafactor (transformers), adamw8bit, paged_adamw8bit, lion8bit (bitsandbytes), "
+                      "prodigy (prodigyopt: learning_rate 1.0), schedulefree_adamw (schedulefree), any torch.optim "
+                      "class (SGD, RAdam, ...), or a dotted path to an optimizer class.")
+    optimizer_args: dict[str, Any] = setting(
+        {}, help="Keyword arguments for the optimizer, passed through as given and overriding adam_*/weight_decay, "
+                 "e.g. {d_coef = 2, safeguard_warmup = true} for prodigy.")
     weight_decay: float = setting(0.01, help="Decoupled weight decay.", min=0.0, max=1.0)
     adam_beta1: float = setting(0.9, help="AdamW beta1.", min=0.0, max=0.99999)
     adam_beta2: float = setting(0.999, help="AdamW beta2.", min=0.0, max=0.99999)
@@ -247,6 +282,11 @@ class TrainConfig:
     log_every: int = setting(10, help="Log loss and timing every N updates (each log is a host-device sync).",
                              min=1, max=100_000, resume_safe=True)
     eval_after: bool = setting(False, help="Run `imglora eval` in a fresh process after training.", resume_safe=True)
+    ema: bool = setting(False, help="Also keep an exponential moving average of the adapter weights (saved beside "
+                                    "them as adapter_ema/; export and eval choose with --weights ema|raw).")
+    ema_decay: float = setting(0.999, help="EMA: ema = decay * ema + (1 - decay) * weights at each EMA update.",
+                               min=0.0, max=1.0, min_exclusive=True)
+    ema_every: int = setting(1, help="EMA: update it every N optimizer updates.", min=1, max=100_000)
     budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Budget guard."})
 
 
@@ -269,6 +309,9 @@ class MemoryConfig:
                                          "buffer per block shape (slots = swap_prefetch + 1). Raise it when a "
                                          "block's copy takes longer than its compute (bench-swap shows the stall).",
                                  min=1, max=8, resume_safe=True)
+    ema_on_cpu: bool = setting(False, help="With train.ema: keep the moving average in host memory (one device-to-host "
+                                           "copy of the adapter per EMA update) instead of beside the weights.",
+                               resume_safe=True)
     vram_budget: float = setting(0.0, help="GiB of GPU memory this run may use; > 0: `imglora train` refuses a "
                                            "setting `imglora plan` predicts not to fit, naming the smallest change "
                                            "that fits. 0 = no check.", min=0.0, max=100_000.0, resume_safe=True)
@@ -308,6 +351,15 @@ class ExportConfig:
 class RunConfig:
     name: str = setting("", help="Run folder name; empty = the preset's file name.", resume_safe=True)
     output_dir: str = setting("runs", help="Parent folder of run folders.", resume_safe=True)
+    log_with: list[Literal["tensorboard", "wandb"]] = setting(
+        [], help="Experiment trackers (through accelerate): tensorboard (events in <run>/tensorboard), wandb (offline "
+                 "unless run.wandb_mode = \"online\"). Training logs loss, lr, seconds per update, peak memory and "
+                 "grad norm; `imglora eval` adds its contact sheets and held-out loss to the same run.",
+        resume_safe=True)
+    wandb_mode: Literal["offline", "online"] = setting(
+        "offline", help="offline: wandb writes <run>/wandb/ only (`wandb sync` uploads it later); online needs "
+                        "network and a login.", resume_safe=True)
+    wandb_project: str = setting("imglora", help="The wandb project.", resume_safe=True)
 
 
 SECTIONS: dict[str, type] = {

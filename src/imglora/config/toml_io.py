@@ -15,6 +15,9 @@ def toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid TOML basic string
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{json.dumps(k) if not k.isidentifier() else k} = {toml_value(v)}"
+                               for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import atomic, devices, record
+from . import text_tokens
 from ..hashing import sha256_file
 from ..progress import Progress
 from .buckets import fit_to_bucket
@@ -137,7 +138,8 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     held = set(split_holdout(cfg, scanned)[1].items)
     choices = {item: choice_for(item, sets[item.set_index], held_out=item in held) for item in scanned.items}
     texts = {}
-    for text in dict.fromkeys(t for c in choices.values() for t in c.texts()):
+    for text in (dict.fromkeys(t for c in choices.values() for t in c.texts())
+                 if text_tokens.caches_text(cfg, family) else ()):
         key = _key({"kind": "text", "family": family.name, "caption": text, "encoders": text_id,
                     "max_length": max_len, "dtype": enc_dtype})
         texts[text] = TextSpec(text, key)
@@ -288,7 +290,10 @@ def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "t
     cache = Cache(cfg.cache.dir)
     for attempt in (1, 2):
         try:
-            texts = {c: cache.get("text", s.key) for c, s in the_plan.texts.items()}
+            captions = list(dict.fromkeys(t for c in the_plan.choices.values() for t in c.texts()))
+            texts = text_tokens.entries(cfg, family, src, captions,
+                                        {c: cache.get("text", s.key) for c, s in the_plan.texts.items()},
+                                        the_plan.text_max_length)
             by_item: dict[DatasetItem, list[dict[str, "torch.Tensor"]]] = {}
             for spec in the_plan.latents:
                 by_item.setdefault(spec.item, []).append(cache.get("latents", spec.key))
@@ -388,7 +393,8 @@ def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: 
                + (f" (+{len(held)} held out)" if held else "")
                + f", {len(train_plan.texts)} text entries ({text_bytes / 2**20:.1f} MiB in memory)"
                + f", cache {stats.latents_encoded + stats.texts_encoded} encoded / "
-               f"{stats.latents_reused + stats.texts_reused} reused")
+               f"{stats.latents_reused + stats.texts_reused} reused"
+               + text_tokens.summary(cfg, family, len({t for c in the_plan.choices.values() for t in c.texts()})))
     return PreparedData(samples, data_version(cfg, train_scan.items), tuple(warnings), summary, validation=held,
                         sets=sets, encoded=stats.latents_encoded + stats.texts_encoded)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..family import Family, Swappable, supports
+from ..family import Family, Swappable, TextEncoderTraining, supports
 from .flux import FluxFamily
 from .llm import LlmFamily
 from .sdxl import SdxlFamily
@@ -54,6 +54,14 @@ class Registry:
             able = [n for n in FAMILIES if FAMILIES[n].quantizations]
             problems.append(f"{where('memory.quantization')}: 4-bit quantization is for the {', '.join(able)} "
                             f"family; the {name} family uses memory.fp8")
+        if cfg.lora.text_encoder and not supports(family, TextEncoderTraining):
+            problems.append(f"{where('lora.text_encoder')}: text-encoder training is implemented for the "
+                            f"{', '.join(self.supporting(TextEncoderTraining))} families; set it to false for {name}")
+        if cfg.train.text_encoder_lr and not cfg.lora.text_encoder:
+            problems.append(f"{where('train.text_encoder_lr')}: applies with lora.text_encoder = true only")
+        if cfg.lora.type not in family.adapter_types:
+            problems.append(f"{where('lora.type')}: the {name} family trains {', '.join(family.adapter_types)} "
+                            f"adapters, not {cfg.lora.type}")
         family.check_config(cfg, where, problems)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import devices
+from ..errors import ImgloraError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -83,30 +84,103 @@ def check_config(family: Any, cfg: "Config", where: Callable[[str], str], proble
 # -- adapters -------------------------------------------------------------------------------------
 
 
-def save_adapter(family: Any, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path:
+def save_adapter(family: Any, model: torch.nn.Module, peft_config: Any, folder: Path,
+                 text_encoders: dict[str, tuple[torch.nn.Module, Any]] | None = None) -> Path:
     """Write ``folder/pytorch_lora_weights.safetensors`` as ``<Pipeline>.load_lora_weights`` reads it.
 
-    Keys are ``<unet|transformer>.<module>.lora_A.weight``; the LoRA config (rank and alpha) goes
-    into the header so diffusers applies alpha / rank exactly, also when alpha differs from rank.
+    Keys are ``<unet|transformer>.<module>.lora_A.weight`` (LoHa ``hada_*``, LoKr ``lokr_*``), and
+    ``text_encoder[_2].<module>...`` for the text encoders trained with lora.text_encoder
+    (``text_encoders``: component -> (encoder, its peft config)); each component's peft config
+    (type, rank, alpha) goes into the header, so diffusers applies alpha / rank exactly, also when
+    alpha differs from rank, and export reads the type back.
     """
     import diffusers
 
     from ..lora import adapter_state_dict
 
-    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_config.to_dict().items()}
-    pipeline = getattr(diffusers, family.pipeline)
-    pipeline.save_lora_weights(folder, **{f"{family.denoiser}_lora_layers": adapter_state_dict(model),
-                                          f"{family.denoiser}_lora_adapter_metadata": meta})
+    def meta(config: Any) -> dict[str, Any]:
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
+
+    layers = {f"{family.denoiser}_lora_layers": adapter_state_dict(model),
+              f"{family.denoiser}_lora_adapter_metadata": meta(peft_config)}
+    for part, (encoder, config) in (text_encoders or {}).items():
+        layers |= {f"{part}_lora_layers": adapter_state_dict(encoder), f"{part}_lora_adapter_metadata": meta(config)}
+    getattr(diffusers, family.pipeline).save_lora_weights(folder, **layers)
     return folder / ADAPTER_FILE
 
 
-def read_adapter(family: Any, folder: Path) -> dict[str, torch.Tensor]:
-    """The LoRA state (keys without the ``unet.``/``transformer.`` prefix) of a saved adapter."""
+def read_adapter(family: Any, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]:
+    """The adapter state of one component (the denoiser by default; ``text_encoder``, ...) of a
+    saved adapter, keyed without the component's prefix."""
     from safetensors.torch import load_file
 
-    prefix = f"{family.denoiser}."
+    prefix = f"{component or family.denoiser}."
     weights = load_file(str(Path(folder) / ADAPTER_FILE))
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def base_weights(family: Any, src: "ModelSource", names: list[str]) -> dict[str, torch.Tensor]:
+    """``{"<component>.<module>": weight}`` in fp32, as ComfyUI holds the base weight it patches:
+    read from the component's safetensors in a model folder, else from the single files
+    (``family.file_base_weights``)."""
+    from ..safefiles import open_file
+
+    paths: dict[str, list[str]] = {}
+    for name in names:
+        component, path = name.split(".", 1)
+        paths.setdefault(component, []).append(path)
+    out: dict[str, torch.Tensor] = {}
+    for component, wanted in paths.items():
+        files = _weight_files(src.root / component)
+        if not files:
+            got = family.file_base_weights(src, component, wanted)
+        else:
+            got = {}
+            for path in wanted:
+                # a CLIP's file keeps the text_model. level that transformers 5 no longer has
+                key = next((k for k in (f"{path}.weight", f"{clip_path(path)}.weight") if k in files), None)
+                if key is None:
+                    raise ImgloraError(f"{src.root / component}: no weight {path}.weight for the adapted module "
+                                       f"{component}.{path}")
+                with open_file(files[key]) as r:
+                    got[path] = r.get(key, torch.float32)
+        out.update({f"{component}.{path}": w for path, w in got.items()})
+    return out
+
+
+# lora.text_encoder on a CLIP text encoder: its attention and MLP projections, the layers ComfyUI maps
+# (lora_te1_text_model_encoder_layers_N_self_attn_q_proj, ...); transformers 5 has no text_model. level.
+CLIP_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+CLIP_SCOPE = r"(text_model\.)?encoder\.layers\.\d+\.(self_attn|mlp)\."
+
+
+def clip_tokens(tokenizer: Any, caption: str, max_length: int) -> torch.Tensor:
+    """A caption's CLIP tokens as the families' encode_text makes them (padded and cut to max_length)."""
+    return tokenizer(caption, padding="max_length", max_length=max_length, truncation=True,
+                     return_tensors="pt").input_ids[0]
+
+
+def clip_path(path: str) -> str:
+    """A CLIP text encoder's module path as the released files, kohya and ComfyUI name it
+    (``text_model.encoder.layers.0...``): transformers 5 dropped the ``text_model.`` level."""
+    return path if path.startswith("text_model.") else f"text_model.{path}"
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """{key: file} of a diffusers / transformers component folder's safetensors (sharded or not)."""
+    import json
+
+    from ..safefiles import open_file
+
+    for stem in ("diffusion_pytorch_model", "model"):
+        index = folder / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        single = folder / f"{stem}.safetensors"
+        if single.is_file():
+            with open_file(single) as r:
+                return {k: single for k in r.keys}
+    return {}
 
 
 # -- the evaluation pass ---------------------------------------------------------------------------

@@ -41,9 +41,16 @@ class FluxFamily:
     lora_scope = r"(transformer_blocks|single_transformer_blocks)\.\d+\."
     quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
+    adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     swappable_blocks = swap.BLOCK_LISTS
     streams_blocks = True  # the transformer is read block by block (stream.py): plan's host-RAM term
     export_formats = keys.FORMATS
+    # lora.text_encoder: CLIP-L gets the adapter (its pooled output is then computed per step); T5 stays
+    # frozen and its cached output is used as before.
+    text_encoder_parts = ("text_encoder",)
+    text_encoder_targets = common.CLIP_TARGETS
+    text_encoder_scope = common.CLIP_SCOPE
+    frozen_text_outputs = ("prompt_embeds",)
     pipeline = "FluxPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "transformer"  # its subfolder and the adapter keys' prefix
 
@@ -55,6 +62,7 @@ class FluxFamily:
     collate = common.collate
     save_adapter = common.save_adapter
     read_adapter = common.read_adapter
+    base_weights = common.base_weights
     default_prompts = common.default_prompts
     encode_prompts = common.encode_prompts
 
@@ -107,6 +115,15 @@ class FluxFamily:
         t5_out = t5(ids, output_hidden_states=False)[0]
         return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
+    def load_tokenizers(self, src: "ModelSource") -> Any:
+        from transformers import CLIPTokenizer
+
+        return CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+
+    def tokenize(self, tokenizer: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        """CLIP-L's tokens, as encode_text makes them (lora.text_encoder; T5's output stays cached)."""
+        return {"input_ids": common.clip_tokens(tokenizer, caption, tokenizer.model_max_length)}
+
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
         """Tokens of the caption against what T5 reads. CLIP-L only gives the pooled vector from its
         first 77 tokens, as in FluxPipeline, so a longer caption is not cut off for FLUX."""
@@ -115,7 +132,19 @@ class FluxFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+        trainable = model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+        if cfg.lora.text_encoder:  # CLIP-L only: frozen here, the adapter comes with the transformer's
+            trainable.text_encoders = {"text_encoder": self.load_clip(src, dtype).requires_grad_(False)}
+        return trainable
+
+    def load_clip(self, src: "ModelSource", dtype: torch.dtype) -> Any:
+        from transformers import CLIPTextModel
+
+        if src.files:
+            from ..singlefile.text import load_clip_l
+
+            return load_clip_l(src.files["text_encoder"], src.root, dtype).eval()
+        return CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype).eval()
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:
@@ -141,8 +170,12 @@ class FluxFamily:
         return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=3.5)
 
     # -- export -----------------------------------------------------------------------------
-    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
-        return keys.tensors(modules, fmt)
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

@@ -18,24 +18,54 @@ from typing import Any
 import torch
 
 from ...errors import ImgloraError
+from ...adapter_forms import Module, comfy_tensors
 from ...export import LoraModule, add_unique, alpha_tensor, fuse, kohya_name, kohya_tensors
+from ..diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # default: the diffusers form
 TEXT_PREFIX = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te3"}
 
 
-def tensors(modules: dict[str, LoraModule], fmt: str) -> dict[str, torch.Tensor]:
-    return diffusers_tensors(modules) if fmt == "default" else kohya_form(modules)
+def tensors(modules: dict[str, Module], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if fmt == "default":
+        return diffusers_tensors(modules, base)
+    other = sorted({m.kind for m in modules.values()} - {"lora"})
+    if other:
+        raise ImgloraError(f"--format kohya fuses q, k and v (and the single blocks' MLP input) into one LoRA per "
+                           f"FLUX.1 weight, which only plain LoRA can be; export {other[0]} with the default format "
+                           "(ComfyUI loads it, patching each slice)")
+    return kohya_form({name: lora_module(m) for name, m in modules.items()})
 
 
-def diffusers_tensors(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
+def lora_module(m: Module) -> LoraModule:
+    alpha = m.scaling * m.rank if m.use_rslora else m.alpha  # loaders scale by alpha / rank
+    return LoraModule(m.tensors["lora_A.weight"], m.tensors["lora_B.weight"], alpha)
+
+
+def diffusers_tensors(modules: dict[str, Module], base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA in the diffusers form (``lora_A``/``lora_B`` + ``alpha``, which diffusers loads too); DoRA,
+    LoHa and LoKr under the same module names in the suffixes ComfyUI's loaders read
+    (``adapter_forms.comfy_tensors``). ComfyUI applies ``norm_out``'s scale/shift swap to the patch
+    but not to ``dora_scale``, so that one is swapped here."""
     out: dict[str, torch.Tensor] = {}
     for module, m in modules.items():
         if not module.startswith(("transformer.", "text_encoder.")):
             raise ImgloraError(f"{module}: the FLUX diffusers form has no mapping for this component; "
                                "use --format kohya (T5 weights map as lora_te3_)")
-        out.update({f"{module}.lora_A.weight": m.down, f"{module}.lora_B.weight": m.up,
-                    f"{module}.alpha": alpha_tensor(m.alpha)})
+        name = module  # ComfyUI maps text_encoder.text_model.encoder.layers... for CLIP-L
+        if module.startswith("text_encoder."):
+            name = "text_encoder." + clip_path(module.split(".", 1)[1])
+        if m.kind == "lora":
+            lm = lora_module(m)
+            out.update({f"{name}.lora_A.weight": lm.down, f"{name}.lora_B.weight": lm.up,
+                        f"{name}.alpha": alpha_tensor(lm.alpha)})
+            continue
+        t = comfy_tensors(m, base.get(module))
+        if "dora_scale" in t and module.startswith("transformer.") and \
+                _FLUX_GLOBAL.get(module.split(".", 1)[1]) in FLUX_SWAP_HALVES:
+            scale, shift = t["dora_scale"].chunk(2, dim=0)
+            t["dora_scale"] = torch.cat([shift, scale], dim=0)
+        out.update({f"{name}.{k}": v for k, v in t.items()})
     return out
 
 
@@ -106,7 +136,8 @@ def kohya_form(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
         if component != "transformer":
             if component not in TEXT_PREFIX:
                 raise ImgloraError(f"no kohya name for FLUX component {component!r}")
-            add_unique(out, kohya_tensors(kohya_name(TEXT_PREFIX[component], path), m))
+            name = kohya_name(TEXT_PREFIX[component], clip_path(path) if component == "text_encoder" else path)
+            add_unique(out, kohya_tensors(name, m))
             continue
         by_target.setdefault(flux_bfl_module(path), {})[path] = m
     for bfl, trained in sorted(by_target.items()):
@@ -126,8 +157,6 @@ def kohya_form(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
             m = fuse([trained.get(path) for path, _ in parts], rows)
         add_unique(out, kohya_tensors(kohya_name("lora_unet", bfl), m))
     return out
-
-
 
 
 def metadata(cfg: Any, record: dict[str, Any]) -> dict[str, Any]:

@@ -125,11 +125,18 @@ class FluxTrainable:
 
     def __init__(self, transformer: Any, settings: Any):
         self.model = transformer
+        self.text_encoders: dict[str, torch.nn.Module] = {}  # lora.text_encoder: the adapted CLIP-L
         self.settings = settings
         self.guidance = settings.guidance if transformer.config.guidance_embeds else None
         self.facts = {"variant": "dev" if transformer.config.guidance_embeds else "schnell"}
 
+    def encode_text(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """CLIP-L's pooled output for the batch's tokens, as FluxFamily.encode_text (differentiable)."""
+        return {"pooled_prompt_embeds": self.text_encoders["text_encoder"](batch["input_ids"]).pooler_output}
+
     def loss(self, batch: dict[str, torch.Tensor], generator: Any) -> torch.Tensor:
+        if self.text_encoders:
+            batch = {**batch, **self.encode_text(batch)}
         latents = batch["latents"]
         device, (n, _, h, w) = latents.device, latents.shape
         x0 = pack_latents(latents)

@@ -252,3 +252,23 @@ def load_text_encoders(src: Any, dtype: torch.dtype) -> tuple[Any, Any]:
 
     return (load_clip_l(src.files["text_encoder"], src.root, dtype),
             load_t5(src.files["text_encoder_2"], src.root, dtype))
+
+
+def base_weights(src: Any, component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+    """fp32 weights (``<path>.weight``) of modules of a single-file FLUX model, as the diffusers
+    model holds them (q/k/v: their rows of the fused BFL weight; norm_out: halves swapped)."""
+    if component == "text_encoder":
+        from ..singlefile.text import load_clip_l
+
+        clip = load_clip_l(src.files["text_encoder"], src.root, torch.float32)
+        return {p: clip.get_submodule(p).weight.detach() for p in paths}
+    if component != "transformer":
+        raise ModelSourceError(f"no base weights of the FLUX {component} are read for export")
+    from diffusers import FluxTransformer2DModel
+
+    path = src.files["transformer"]
+    layout = expect(path, "flux-transformer")
+    plan = flux_plan(diffusers_config(FluxTransformer2DModel, src.root, "transformer"))
+    with open_file(path) as r:
+        return {p: _read(r, layout.prefix + plan[f"{p}.weight"][0], *plan[f"{p}.weight"][1:], torch.float32, "cpu")
+                for p in paths}

@@ -42,6 +42,7 @@ class LlmFamily:
     lora_scope = ""
     quantize_exclude = ("lm_head", "*embed_tokens*")
     quantizations = ("qint4", "nf4")
+    adapter_types = ("lora",)
 
     def __init__(self) -> None:
         self.pad_id = 0  # set from the tokenizer by prepare_data; padded positions are masked anyway
@@ -139,7 +140,8 @@ class LlmFamily:
         batch = self.collate([{"input_ids": row, "labels": row} for row in ids])
         return {k: v.to(device) for k, v in batch.items()}
 
-    def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path) -> Path:
+    def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path,
+                     text_encoders: dict[str, Any] | None = None) -> Path:
         """A PEFT adapter folder, exactly as ``PeftModel.save_pretrained`` writes one."""
         from peft.utils import get_peft_model_state_dict
 
@@ -180,7 +182,7 @@ class LlmFamily:
                      dtype: torch.dtype) -> Any:
         return _Answerer(model, data.load_tokenizer(src.root), device, EVAL_MAX_NEW_TOKENS)
 
-    def read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
+    def read_adapter(self, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]:
         """LoRA state keyed as ``get_peft_model_state_dict`` keys it (``model.layers.0...lora_A.weight``)."""
         from safetensors.torch import load_file
 

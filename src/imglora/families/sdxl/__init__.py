@@ -33,7 +33,14 @@ class SdxlFamily:
     lora_scope = ""
     quantize_exclude = ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
     quantizations: tuple[str, ...] = ()
+    adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     export_formats = keys.FORMATS
+    # lora.text_encoder: both CLIP encoders get the adapter on their attention and MLP projections (the
+    # layers ComfyUI's lora_te1_/lora_te2_ names map); they give every text output, so none is cached.
+    text_encoder_parts = ("text_encoder", "text_encoder_2")
+    text_encoder_targets = common.CLIP_TARGETS
+    text_encoder_scope = common.CLIP_SCOPE
+    frozen_text_outputs: tuple[str, ...] = ()
     pipeline = "StableDiffusionXLPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
     denoiser = "unet"  # its subfolder and the adapter keys' prefix
 
@@ -46,6 +53,7 @@ class SdxlFamily:
     collate = common.collate
     save_adapter = common.save_adapter
     read_adapter = common.read_adapter
+    base_weights = common.base_weights
     default_prompts = common.default_prompts
     encode_prompts = common.encode_prompts
 
@@ -96,6 +104,16 @@ class SdxlFamily:
                 pooled = out.text_embeds
         return {"prompt_embeds": torch.cat(hidden, dim=-1)[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
 
+    def load_tokenizers(self, src: "ModelSource") -> Any:
+        from transformers import CLIPTokenizer
+
+        return (CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer"),
+                CLIPTokenizer.from_pretrained(src.root, subfolder="tokenizer_2"))
+
+    def tokenize(self, tokenizers: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        """The caption's tokens for both encoders, as encode_text makes them (lora.text_encoder)."""
+        return {key: common.clip_tokens(tok, caption, max_length) for key, tok in zip(model.TOKEN_KEYS, tokenizers)}
+
     def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
         """Tokens of the caption (with BOS/EOS) against what each encoder reads."""
         tok1, tok2, _, _ = encoders
@@ -104,7 +122,12 @@ class SdxlFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, dtype)
+        trainable = model.load_trainable(src, cfg, dtype)
+        if cfg.lora.text_encoder:  # trained with the UNet: frozen here, the adapter comes with the UNet's
+            _, _, te1, te2 = self.load_text_encoders(src, torch.device("cpu"), dtype)
+            trainable.text_encoders = {"text_encoder": te1.requires_grad_(False),
+                                       "text_encoder_2": te2.requires_grad_(False)}
+        return trainable
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:
@@ -125,8 +148,12 @@ class SdxlFamily:
                                         scheduler_overrides=model.scheduler_overrides(src, cfg))
 
     # -- export -----------------------------------------------------------------------------
-    def export_tensors(self, modules: dict[str, Any], fmt: str) -> dict[str, torch.Tensor]:
-        return keys.tensors(modules, fmt)
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from ...errors import ImgloraError
-from ...export import LoraModule, add_unique, kohya_name, kohya_tensors
+from ...adapter_forms import Module, comfy_tensors
+from ...export import add_unique, kohya_name
+from ..diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # the same form under both names
 KOHYA_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
@@ -23,13 +25,16 @@ def module_name(module: str) -> str:
     component, path = module.split(".", 1)
     if component not in KOHYA_PREFIX:
         raise ImgloraError(f"no kohya name for SDXL component {component!r}")
-    return kohya_name(KOHYA_PREFIX[component], path)
+    return kohya_name(KOHYA_PREFIX[component], path if component == "unet" else clip_path(path))
 
 
-def tensors(modules: dict[str, LoraModule], fmt: str) -> dict[str, torch.Tensor]:
+def tensors(modules: dict[str, Module], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every type under its kohya name: LoRA/DoRA ``lora_up``/``lora_down``/``alpha`` (+ ``dora_scale``),
+    LoHa ``hada_*``, LoKr ``lokr_*``, as ComfyUI's loaders read them (``adapter_forms.comfy_tensors``)."""
     out: dict[str, torch.Tensor] = {}
     for module, m in modules.items():
-        add_unique(out, kohya_tensors(module_name(module), m))
+        name = module_name(module)
+        add_unique(out, {f"{name}.{k}": v for k, v in comfy_tensors(m, base.get(module)).items()})
     return out
 
 

@@ -102,11 +102,16 @@ def synthetic_batch(trainable: "SdxlTrainable", resolution: int, cfg: Any,
     }.items()}
 
 
+TOKEN_KEYS = ("input_ids", "input_ids_2")  # a batch's tokens for CLIP-L and CLIP-G (lora.text_encoder)
+
+
 class SdxlTrainable:
-    """The UNet and the epsilon / v-prediction loss on cached latents and text embeddings."""
+    """The UNet and the epsilon / v-prediction loss on cached latents and text embeddings (or, with
+    lora.text_encoder, on embeddings the adapted text encoders give for the batch's tokens)."""
 
     def __init__(self, unet: Any, scheduler: Any, settings: Any):
         self.model = unet
+        self.text_encoders: dict[str, torch.nn.Module] = {}
         self.prediction_type = scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ImgloraError(f"scheduler/scheduler_config.json: prediction_type {self.prediction_type!r} is not "
@@ -118,7 +123,18 @@ class SdxlTrainable:
         self.facts = {"prediction_type": self.prediction_type,
                       "zero_terminal_snr": bool(getattr(scheduler.config, "rescale_betas_zero_snr", False))}
 
+    def encode_text(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """As SdxlFamily.encode_text, batched and differentiable: the penultimate hidden states of both
+        encoders, concatenated, and CLIP-G's projected pooled output."""
+        te1, te2 = self.text_encoders["text_encoder"], self.text_encoders["text_encoder_2"]
+        out1 = te1(batch["input_ids"], output_hidden_states=True)
+        out2 = te2(batch["input_ids_2"], output_hidden_states=True)
+        return {"prompt_embeds": torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1),
+                "pooled_prompt_embeds": out2.text_embeds}
+
     def loss(self, batch: dict[str, torch.Tensor], generator: Any) -> torch.Tensor:
+        if self.text_encoders:
+            batch = {**batch, **self.encode_text(batch)}
         latents = batch["latents"]
         device, n = latents.device, latents.shape[0]
         rng = draws(generator)  # a torch.Generator, or one generator per sample (imglora.rng)

@@ -209,3 +209,10 @@ def file_prediction_type(src: Any) -> tuple[str, bool]:
     """(prediction type, zero terminal SNR) as the checkpoint says."""
     path = src.files["checkpoint"]
     return prediction_type(path), zero_terminal_snr(path)
+
+
+def base_weights(src: Any, component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+    """fp32 weights (``<path>.weight``) of modules of a single-file SDXL model (the component is
+    converted whole: the checkpoint's layout has other names)."""
+    module = load_part(src, component, torch.float32)
+    return {p: module.get_submodule(p).weight.detach() for p in paths}

@@ -1,0 +1,201 @@
+"""Optimizers by name: ``train.optimizer`` and ``train.optimizer_args``.
+
+A name is one of the known optimizers below, a ``torch.optim`` class (``"SGD"``, ``"RAdam"``; any
+case), or a dotted path to a class (``"mypackage.optim.Fancy"``). The optimizer gets
+``train.learning_rate``; Adam-style optimizers also ``train.adam_beta1``/``adam_beta2``/``adam_eps``;
+every one that takes it ``train.weight_decay``; then ``train.optimizer_args`` are passed through
+and override those. A name that is none of these, or an argument the class does not take, is a
+config error; a package that is not installed is one error naming its ``pip install``, before
+anything is loaded.
+
+Optimizers with a train and an eval mode (schedule-free: the weights it steps are not the weights
+to use, ``optimizer.eval()`` gives those) are switched by the training loop wherever weights are
+saved or evaluated (``loop.eval_weights``), and the weights it steps are saved for resuming.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ImgloraError
+
+if TYPE_CHECKING:  # the config's type, without importing imglora.config (its loader calls check())
+    Config = Any
+
+
+@dataclass(frozen=True)
+class Known:
+    path: str                         # module.Class
+    pip: str | None = None            # the package to install, when not a core dependency
+    adam: bool = False                # takes betas=(beta1, beta2) and eps
+    fixed: dict[str, Any] = field(default_factory=dict)  # always passed (before optimizer_args)
+
+
+KNOWN: dict[str, Known] = {
+    "adamw": Known("torch.optim.AdamW", adam=True),
+    "adafactor": Known("transformers.optimization.Adafactor",
+                       fixed={"relative_step": False, "scale_parameter": False, "warmup_init": False}),
+    "adamw8bit": Known("bitsandbytes.optim.AdamW8bit", "bitsandbytes", adam=True),
+    "paged_adamw8bit": Known("bitsandbytes.optim.PagedAdamW8bit", "bitsandbytes", adam=True),
+    "lion8bit": Known("bitsandbytes.optim.Lion8bit", "bitsandbytes"),
+    "prodigy": Known("prodigyopt.Prodigy", "prodigyopt", adam=True),  # estimates its step size: learning_rate 1.0
+    "schedulefree_adamw": Known("schedulefree.AdamWScheduleFree", "schedulefree", adam=True),
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    name: str
+    path: str         # module.Class
+    pip: str | None   # what `pip install` would bring it
+    adam: bool
+    fixed: dict[str, Any]
+
+    @property
+    def module(self) -> str:
+        return self.path.rpartition(".")[0]
+
+    def installed(self) -> bool:
+        try:
+            return importlib.util.find_spec(self.module.split(".")[0]) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def load(self) -> type:
+        try:
+            cls = getattr(importlib.import_module(self.module), self.path.rpartition(".")[2])
+        except ImportError:
+            raise ImgloraError(f'train.optimizer = "{self.name}" needs {self.pip or self.module.split(".")[0]}: '
+                               f"`pip install {self.pip or self.module.split('.')[0]}`") from None
+        except AttributeError:
+            raise ImgloraError(f'train.optimizer = "{self.name}": {self.module} has no '
+                               f"{self.path.rpartition('.')[2]}") from None
+        return cls
+
+
+def _torch_optimizers() -> dict[str, str]:
+    return {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+
+
+def resolve(name: str) -> Resolved | str:
+    """The optimizer ``name`` stands for, or why it stands for none (a message)."""
+    if name in KNOWN:
+        k = KNOWN[name]
+        return Resolved(name, k.path, k.pip, k.adam, dict(k.fixed))
+    torch_names = _torch_optimizers()
+    if name.lower() in torch_names:
+        return Resolved(name, f"torch.optim.{torch_names[name.lower()]}", None, False, {})
+    if "." in name.strip(".") and all(part.isidentifier() for part in name.split(".")):
+        return Resolved(name, name, None, False, {})
+    close = difflib.get_close_matches(name.lower(), [*KNOWN, *torch_names], n=1, cutoff=0.6)
+    hint = f' (did you mean "{close[0]}"?)' if close else ""
+    return (f"unknown optimizer {name!r}{hint}: use {', '.join(KNOWN)}, a torch.optim class (e.g. SGD, RAdam), "
+            "or a dotted path to an optimizer class")
+
+
+def keyword_arguments(cfg: "Config", r: Resolved, cls: type | None) -> dict[str, Any]:
+    """What the optimizer is built with, ``params`` aside: the learning rate, the Adam settings for
+    Adam-style optimizers, weight decay where the class takes it, then ``train.optimizer_args``."""
+    t = cfg.train
+    kwargs: dict[str, Any] = {"lr": t.learning_rate, **r.fixed}
+    if r.adam:
+        kwargs.update(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    takes = _parameters(cls) if cls is not None else None
+    if takes is None or "weight_decay" in takes:
+        kwargs["weight_decay"] = t.weight_decay
+    kwargs.update(t.optimizer_args)
+    return kwargs
+
+
+def _parameters(cls: type) -> set[str] | None:
+    """The keyword arguments ``cls`` takes; None when it takes any (``**kwargs``)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params) - {"self", "params"}
+
+
+def check(cfg: "Config", where: Any, problems: list[str]) -> None:
+    """Config checks: the name resolves; ``optimizer_args`` are arguments the class takes (checked
+    when its package is installed; a missing package is reported when training starts)."""
+    t = cfg.train
+    r = resolve(t.optimizer)
+    if isinstance(r, str):
+        problems.append(f"{where('train.optimizer')}: {r}")
+        return
+    if "lr" in t.optimizer_args:
+        problems.append(f"{where('train.optimizer_args')}: lr: set train.learning_rate instead (the schedule "
+                        "scales it)")
+    if not t.optimizer_args or not r.installed():
+        return
+    try:
+        cls = r.load()
+    except ImgloraError as exc:
+        problems.append(f"{where('train.optimizer')}: {exc}")
+        return
+    takes = _parameters(cls)
+    if takes is None:
+        return
+    for key in t.optimizer_args:
+        if key not in takes:
+            close = difflib.get_close_matches(key, sorted(takes), n=1, cutoff=0.6)
+            hint = f' (did you mean "{close[0]}"?)' if close else f" (it takes {', '.join(sorted(takes))})"
+            problems.append(f"{where('train.optimizer_args')}: {key}: not an argument of {r.path}{hint}")
+
+
+def missing_package(cfg: "Config") -> str | None:
+    """``pip install X`` for the optimizer's package when it is not installed, else None."""
+    r = resolve(cfg.train.optimizer)
+    if isinstance(r, Resolved) and not r.installed():
+        return r.pip or r.module.split(".")[0]
+    return None
+
+
+def make(cfg: "Config", params: list[Any]) -> torch.optim.Optimizer:
+    """The optimizer over ``params`` (parameters, or parameter groups with their own ``lr``)."""
+    r = resolve(cfg.train.optimizer)
+    if isinstance(r, str):
+        raise ImgloraError(f"train.optimizer: {r}")
+    cls = r.load()
+    kwargs = keyword_arguments(cfg, r, cls)
+    try:
+        optimizer = cls(params, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ImgloraError(f"train.optimizer = \"{cfg.train.optimizer}\" ({r.path}) refused its arguments "
+                           f"{sorted(kwargs)}: {exc}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ImgloraError(f"train.optimizer = \"{cfg.train.optimizer}\": {r.path} is not a torch.optim.Optimizer")
+    if has_modes(optimizer):
+        optimizer.train()  # schedule-free: steps only in train mode
+    return optimizer
+
+
+def has_modes(optimizer: Any) -> bool:
+    """Whether the optimizer has a train and an eval mode (schedule-free optimizers)."""
+    return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
+
+
+def note(cfg: "Config") -> str | None:
+    """What to tell the user about their optimizer setting, if anything."""
+    r = resolve(cfg.train.optimizer)
+    if isinstance(r, Resolved) and r.name == "prodigy" and cfg.train.learning_rate < 0.1:
+        return (f"train.optimizer = \"prodigy\" with train.learning_rate = {cfg.train.learning_rate:g}: Prodigy "
+                "scales its own estimate of the step size by the learning rate, so use 1.0 (a commented preset: "
+                "presets/*prodigy*.toml)")
+    return None
+
+
+def is_schedule_free(name: str) -> bool:
+    r = resolve(name)
+    return isinstance(r, Resolved) and r.module.split(".")[0] == "schedulefree"
