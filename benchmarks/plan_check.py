@@ -56,7 +56,7 @@ def config_dir(family_name: str, part: str, changes: dict, dest: Path) -> Path:
 def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     import torch
 
-    from imglora import loop, plan
+    from imglora import loop, plan, plan_budget
     from imglora.tiny import random_init
 
     setting = plan.Setting(precision, blocks)
@@ -70,7 +70,7 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
                                  blocks_to_swap=blocks)
     batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
     t = time.perf_counter()
-    peak = plan.measured_peak(session, batch)
+    peak = plan_budget.measured_peak(session, batch)
     step_seconds = [round((time.perf_counter() - t) / 3, 2)]
     return {"setting": setting.name, "predicted": predicted.device_peak, "measured": peak,
             "ratio": predicted.device_peak / peak, "terms": {t.key: t.bytes for t in predicted.terms},

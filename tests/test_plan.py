@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from imglora import loop, plan
+from imglora import loop, plan, plan_budget
 from imglora.cli import main
 from imglora.commands.common import family_of, load_config
 from imglora.errors import ImgloraError
@@ -25,7 +25,7 @@ def measured_peak(cfg) -> int:
     src = resolve_model(cfg.model, family)
     trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
     session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=10, out=lambda s: None)
-    return plan.measured_peak(session, family.synthetic_batch(trainable, cfg.data.resolution, cfg,
+    return plan_budget.measured_peak(session, family.synthetic_batch(trainable, cfg.data.resolution, cfg,
                                                               torch.device("cpu")))
 
 
@@ -87,9 +87,9 @@ def test_a_vram_budget_refuses_a_setting_that_does_not_fit_and_names_the_change_
     strict = cfg.replace(memory={"vram_budget": budget})
     with pytest.raises(ImgloraError, match=r"memory.vram_budget = .* The smallest change that fits: "
                                            r"memory.blocks_to_swap = [3-6] \(predicted peak"):
-        plan.check_at_start(strict, family, src, "cpu", lines.append)
+        plan_budget.check_at_start(strict, family, src, "cpu", lines.append)
     assert lines and lines[0].startswith("memory plan: peak allocated")
-    assert plan.check_at_start(cfg, family, src, "cpu", lines.append) is None  # CPU, no budget: no plan
+    assert plan_budget.check_at_start(cfg, family, src, "cpu", lines.append) is None  # CPU, no budget: no plan
 
 
 def test_the_meter_counts_new_storage_not_views_of_old() -> None:

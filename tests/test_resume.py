@@ -48,7 +48,7 @@ def test_a_length_below_the_checkpoint_is_refused_before_anything_loads(tmp_path
     run = tmp_path / "run"
     cfg = load_config(REPO / "presets" / "tiny-sdxl.toml", [f"run.output_dir={str(tmp_path)!r}", 'run.name="run"'])
     opt, sched = stepped(cfg, total=100, steps=1)
-    checkpoint.save(run, 8, write_adapter=lambda d: d.mkdir(), optimizer=opt, scheduler=sched,
+    checkpoint.save(run, 8, write_weights=lambda d: (d / "adapter").mkdir(), optimizer=opt, scheduler=sched,
                     config=cfg.to_dict(), config_hash=cfg.hash(), extra={"total_updates": 100}, keep=3)
     longer = load_config(REPO / "presets" / "tiny-sdxl.toml", [f"run.output_dir={str(tmp_path)!r}", 'run.name="run"',
                                                                "train.max_steps=300"])

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan, record, resume,
+from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan_budget, record, resume,
                runlog, telemetry, trackers)
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
@@ -75,7 +75,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     if not main:
         out = _quiet  # one voice: the main process prints, logs and writes
     device = accelerator.device
-    memory_plan = plan.check_at_start(cfg, family, src, device.type, out)  # refuses before loading when it cannot fit
+    memory_plan = plan_budget.check_at_start(cfg, family, src, device.type, out)  # refuses before loading when it cannot fit
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
     rec.main = main  # only the main process writes the record
     t_setup = time.perf_counter()

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import atomic, plan
+from .. import atomic, plan, plan_budget
 from ..errors import ImgloraError
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def default_settings(cfg: "Config", family: Any, src: "ModelSource | None") -> l
     swaps: tuple[int, ...] = (0,)
     if supports(family, Swappable):
         trainable_lengths = _block_lengths(family, src, cfg)
-        swaps = tuple(n for n in SWEEP if plan.valid_swap(family, trainable_lengths, cfg, n))
+        swaps = tuple(n for n in SWEEP if plan_budget.valid_swap(family, trainable_lengths, cfg, n))
     for s in [plan.Setting("fp8", n) for n in swaps] + [plan.Setting("model", 0)]:
         if s not in out:
             out.append(s)
