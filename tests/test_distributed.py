@@ -140,6 +140,7 @@ def test_a_killed_process_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_p
     assert "resuming from" in resumed.stdout and (run / "adapter").is_dir()
 
 
+@pytest.mark.slow
 def test_resuming_with_another_process_count_is_refused_with_the_reason(tmp_path: Path) -> None:
     one = imglora(run_args(tmp_path, "tiny-sdxl", "r", "train.batch_size=1", "train.max_steps=4"))
     assert one.returncode == 0, one.stderr[-2000:]

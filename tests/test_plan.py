@@ -46,10 +46,12 @@ def test_the_prediction_is_within_ten_percent_of_a_real_step(preset: str, overri
     assert p.term("activations_saved") > 0 and p.term("lora") > 0 and p.term("optimizer_state") == 2 * p.term("lora")
 
 
+@pytest.mark.slow
 def test_cli_plans_flux_from_its_shipped_config_term_by_term(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(main, ["plan", str(REPO / "presets" / "flux.toml"), "--blocks", "fp8:18,fp8:0,bf16:0",
-                                  "--resolution", "256", "--vram", "16GB", "--json", str(out)])
+    r = CliRunner().invoke(main, ["plan", str(REPO / "presets" / "flux.toml"), "--set", "cache.text_max_length=32",
+                                  "--blocks", "fp8:18,fp8:0,bf16:0",
+                                  "--resolution", "128", "--vram", "16GB", "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "planned from the architecture config imglora ships" in r.output
     d = json.loads(out.read_text())
@@ -64,6 +66,20 @@ def test_cli_plans_flux_from_its_shipped_config_term_by_term(tmp_path: Path) -> 
         moved - s18["terms"]["swap_slots"], abs=2**20)
     assert d["fastest_fit"] == "fp8:0"  # bf16 does not fit in 16 GB; fp8 unswapped is the fastest that does
     assert "| **peak allocated** |" in r.output
+
+
+def test_cli_plans_each_setting_with_the_swap_engines_layout(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(main, ["plan", str(REPO / "presets" / "tiny-flux.toml"), "--blocks", "fp8:6,fp8:0,fp32:0",
+                                  "--device", "cpu", "--json", str(out), "--gpus", "2"])
+    assert r.exit_code == 0, r.output
+    by = {s["setting"]: s for s in json.loads(out.read_text())["settings"]}
+    s6, s0, full = by["fp8:6"], by["fp8:0"], by["fp32:0"]
+    moved = s0["terms"]["weights_resident_blocks"] - s6["terms"]["weights_resident_blocks"]
+    # tiny FLUX: 3 of 4 double + 6 of 8 single blocks swapped; 2 slots per shape hold 2 + 2 of them
+    assert moved > 0 and 0 < s6["terms"]["swap_slots"] < moved <= s6["terms"]["swapped_blocks"]
+    assert full["terms"]["weights_resident_blocks"] > 2 * s0["terms"]["weights_resident_blocks"]  # fp32 vs fp8
+    assert "| **peak allocated** |" in r.output and "| memory (GiB) |" in r.output
 
 
 @pytest.mark.slow
