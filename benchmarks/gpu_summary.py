@@ -302,6 +302,28 @@ def bench_command(bench: dict[str, Any] | None) -> str:
     return " ".join(parts)
 
 
+def prefetch_lines(bench: dict[str, Any] | None) -> list[str]:
+    """What the swap prefetch chose in each setting (memory.swap_prefetch = 0: from its measured
+    copy and block compute times), as the run record keeps it."""
+    lines = []
+    for r in (bench or {}).get("results", []):
+        pf = ((r.get("swap") or {}).get("prefetch")) or {}
+        if not pf:
+            continue
+        how = "auto" if pf.get("auto") else "set"
+        extra = [f"+{pf['extra_device_bytes'] / GiB:.2f} GiB of slots"] if pf.get("extra_device_bytes") else []
+        for key, label in (("copy_ms", "copy ms"), ("compute_ms", "compute ms"), ("forward_stall_ms", "forward stall ms by depth")):
+            if pf.get(key):
+                extra.append(f"{label} " + ", ".join(f"{k}: {v}" for k, v in pf[key].items()))
+        if pf.get("reason"):
+            extra.append(pf["reason"])
+        if pf.get("limited_by_memory"):
+            extra.append("limited by free memory")
+        lines.append(f"{r.get('setting')}: prefetch {pf.get('depth')} block(s) ahead ({how})"
+                     + (f"; {'; '.join(extra)}" if extra else ""))
+    return lines
+
+
 def environment_line(bench: dict[str, Any] | None, probe: dict[str, Any] | None) -> str:
     env = (bench or {}).get("environment") or {}
     if env:
@@ -360,6 +382,7 @@ def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]
     text += ["", f"Bench: {bench_command(bench)}"]
     text += text_table(BENCH_COLUMNS, bench_rows(bench, plan)) if bench else [f"  no result: {bench_why}"]
     text += [f"  {plan_note}" + (f"; fastest setting that fits: {fit}" if plan else "")]
+    text += [f"  {line}" for line in prefetch_lines(bench)]
     text += ["", "Probe:"] + ([f"  {k}: {v}" for k, v in probe_rows(probe)] or [f"  no result: {probe_why}"])
     if steps:
         text += ["", "Steps:"] + text_table(["step", "status", "exit", "seconds", "note"],
@@ -373,6 +396,7 @@ def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]
     md += [f"`{bench_command(bench)}`", ""]
     md += (md_table(BENCH_COLUMNS, bench_rows(bench, plan)) if bench else [f"No bench result: {bench_why}."]) + [""]
     md += [f"{plan_note}" + (f"; fastest setting that fits: `{fit}`." if plan else "."), ""]
+    md += [f"- {line}" for line in prefetch_lines(bench)] + ([""] if prefetch_lines(bench) else [])
     if plan:
         for s in plan.get("settings", []):
             terms = s.get("terms") or {}

@@ -263,6 +263,19 @@ def test_summary_all_targets_pass_with_the_plan_next_to_the_peaks(summary_mod, t
     assert "NVIDIA H200" in md and "DRY RUN" not in md
 
 
+def test_summary_shows_what_the_auto_prefetch_chose(summary_mod, tmp_path) -> None:
+    swapped = _result("fp8:18", 0.52, 8 * GiB)
+    swapped["swap"] = {"prefetch": {"auto": True, "depth": 3, "extra_device_bytes": GiB // 2,
+                                    "copy_ms": {"0": 6.8, "1": 2.9}, "compute_ms": {"0": 3.9, "1": 1.6},
+                                    "forward_stall_ms": {"1": 21.4, "2": 9.1, "3": 0.4}}}
+    folder = _write_inputs(tmp_path / "p", [_result("fp8:0", 0.50, 14 * GiB), swapped])
+    _, text, md, _ = _run(summary_mod, folder)
+    line = ("fp8:18: prefetch 3 block(s) ahead (auto); +0.50 GiB of slots; copy ms 0: 6.8, 1: 2.9; "
+            "compute ms 0: 3.9, 1: 1.6; forward stall ms by depth 1: 21.4, 2: 9.1, 3: 0.4")
+    assert f"  {line}" in text.splitlines() and f"- {line}" in md.splitlines()
+    assert "fp8:0: prefetch" not in text  # no swap, nothing to say
+
+
 def test_summary_fails_each_target_it_misses(summary_mod, tmp_path) -> None:
     folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.70, 11 * GiB)],
                            pytest_rc=1, failures=2)

@@ -279,7 +279,9 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         terms = [
             Term("weights_resident_blocks", "blocks kept on the device",
                  resident, dev),
-            Term("swap_slots", f"swap slots ({slots_per_shape} per block shape)", slots, dev),
+            Term("swap_slots", f"swap slots ({slots_per_shape} per block shape"
+                 + ("; auto prefetch adds more only where the card has room" if cuda and slots and
+                    cfg.memory.swap_prefetch == 0 else "") + ")", slots, dev),
             Term("weights_non_block", "weights outside the blocks", non_block, dev),
             Term("lora", f"{cfg.lora.type} adapter weights (fp32)", lora_bytes, dev),
             Term("optimizer_state", opt_note + (", + the adapter's moving average (train.ema)" if ema_device else ""),

@@ -52,3 +52,18 @@ def test_swap_settings_the_model_cannot_take_are_refused_from_its_config() -> No
     check_swap_counts(family, model_dir, cfg, blocks_to_swap=4)  # an override that fits is fine
     with pytest.raises(ImgloraError, match="memory.blocks_to_swap = 11"):  # and loading refuses before reading
         family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("prefetch, depth, slots", [(0, 1, 2), (2, 2, 3)])
+def test_the_prefetch_setting_in_the_record(prefetch, depth, slots) -> None:
+    """0 is auto; on the CPU nothing is tuned (host copies are synchronous) and the record says why."""
+    family, cfg, _, model = flux_model("memory.fp8=false", "memory.blocks_to_swap=8",
+                                       f"memory.swap_prefetch={prefetch}")
+    lines: list[str] = []
+    setup = apply_memory(model, family, cfg, torch.device("cpu"), lines.append)
+    facts = setup.facts["swap"]["prefetch"]
+    assert facts["auto"] == (prefetch == 0) and facts["depth"] == depth
+    assert ("no CUDA" in facts.get("reason", "")) == (prefetch == 0)
+    assert setup.swapper.tuner is None and setup.swapper.lookahead == depth
+    assert {p.n_slots for p in setup.swapper.stats.pools} == {slots}
+    assert any(f"prefetch {depth} block(s) ahead" in line for line in lines)

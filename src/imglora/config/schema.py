@@ -305,10 +305,12 @@ class MemoryConfig:
         False, help="With gradient checkpointing: keep each block's saved inputs in pinned host memory, copied back "
                     "when backward recomputes the block (kohya's cpu_offload_checkpointing; about 1.5 GiB less for a "
                     "12B transformer at 1024 px, one copy each way per block).", resume_safe=True)
-    swap_prefetch: int = setting(1, help="Swapped blocks copied ahead of the one running; each needs a device "
-                                         "buffer per block shape (slots = swap_prefetch + 1). Raise it when a "
-                                         "block's copy takes longer than its compute (bench-swap shows the stall).",
-                                 min=1, max=8, resume_safe=True)
+    swap_prefetch: int = setting(0, help="Swapped blocks copied ahead of the one running; each needs a device "
+                                         "buffer per block shape (slots = swap_prefetch + 1). 0 = auto: 1 ahead, "
+                                         "then on a GPU the second update's measured copy and block compute times "
+                                         "choose the depth (up to 6) that hides the copies, where the card and "
+                                         "memory.vram_budget have room; the log and run record show the choice.",
+                                 min=0, max=8, resume_safe=True)
     ema_on_cpu: bool = setting(False, help="With train.ema: keep the moving average in host memory (one device-to-host "
                                            "copy of the adapter per EMA update) instead of beside the weights.",
                                resume_safe=True)

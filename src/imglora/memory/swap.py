@@ -12,8 +12,8 @@ Design, against kohya sd-scripts' ``custom_offloading_utils`` (the reference use
   evicting it only re-points its parameters at the host copy. kohya copies the outgoing block back
   device-to-host on every swap, both ways through pageable memory, between ``synchronize`` calls.
 * **Fixed slots.** Blocks with identical tensor layouts (all FLUX double blocks; all single blocks)
-  share a pool of ``slots_per_shape`` device buffers allocated once in :meth:`install`. A step
-  allocates nothing.
+  share a pool of ``slots_per_shape`` device buffers allocated in :meth:`install` (and at most once
+  more, when the prefetch tuner of :mod:`.swap_tune` deepens the prefetch). A step allocates nothing.
 * **Ordered with events, no synchronize.** Copies run on a side stream. The compute stream waits on
   the slot's *ready* event before the block runs; the copy into a slot waits on a *free* event
   recorded on the compute stream when the slot is reclaimed, which is after every kernel reading
@@ -59,8 +59,7 @@ Tensor subclasses (optimum-quanto fp8 weights, ``WeightQBytesTensor`` with ``_da
 are handled generically through ``__tensor_flatten__``: their inner tensors are laid out in the
 slot like any other tensor, and the module attribute is pointed at a wrapper built once per slot.
 
-Without CUDA (``device`` is the CPU) the same schedule runs with host-to-host copies into CPU slot
-buffers, so order and invariants are testable anywhere; it saves no memory and warns once.
+Without CUDA the same schedule runs with host-to-host copies (order and invariants testable anywhere).
 """
 
 from __future__ import annotations
@@ -123,6 +122,7 @@ class BlockSwapper:
         *,
         slots_per_shape: int = 2,
         record_events: bool = False,
+        tuner: Any = None,
     ) -> None:
         blocks = list(blocks)
         if isinstance(swap, (set, frozenset)):
@@ -145,6 +145,7 @@ class BlockSwapper:
         # How many swapped blocks ahead to prefetch: all slots but the running block's.
         self.lookahead = slots_per_shape - 1
         self.record_events = record_events
+        self.tuner = tuner  # swap_tune.PrefetchTuner (memory.swap_prefetch = 0): may grow the slots once
         self._blocks = [Block(i, b, s) for i, (b, s) in enumerate(zip(blocks, mask))]
         self._swapped = [b.index for b in self._blocks if b.swapped]
         self._pools: list[Pool] = []
@@ -260,7 +261,7 @@ class BlockSwapper:
         return buf, how
 
     def _alloc_slots(self, pool: Pool) -> None:
-        for _ in range(min(self.slots_per_shape, len(pool.members))):
+        for _ in range(len(pool.slots), min(self.slots_per_shape, len(pool.members))):
             buf = torch.empty(pool.block_bytes, dtype=torch.uint8, device=self.device)
             self._allocs += 1
             objs = []
@@ -296,6 +297,8 @@ class BlockSwapper:
         """Call before each forward: starts copying the first swapped blocks (if not resident)."""
         if not self._installed or not self._swapped:
             return
+        if self.tuner is not None:
+            self.tuner.forward_starts(self)
         self._current = None
         window = self._swapped[: max(self.lookahead, 1)]
         protect = set(window)
@@ -319,6 +322,21 @@ class BlockSwapper:
             pools=tuple(PoolStats(len(p.members), len(p.slots), p.block_bytes) for p in self._pools),
             events=tuple(self._events),
         )
+
+    def grow(self, depth: int) -> None:
+        """Prefetch ``depth`` swapped blocks ahead from now on: slots added up to ``depth + 1`` per pool."""
+        self.slots_per_shape, self.lookahead = depth + 1, depth
+        for pool in self._pools:
+            self._alloc_slots(pool)
+
+    def layout(self) -> tuple[list[int | None], dict[int, int], dict[int, int]]:
+        """(each block's pool or None, bytes of a block per pool, swapped blocks per pool): for the tuner."""
+        pools = dict(enumerate(self._pools))
+        return ([self._pools.index(b.pool) if b.swapped else None for b in self._blocks],
+                {k: p.block_bytes for k, p in pools.items()}, {k: len(p.members) for k, p in pools.items()})
+
+    def _stream(self, copy: bool = False) -> Any:
+        return (self._copy_stream if copy else torch.cuda.current_stream(self.device)) if self._cuda else None
 
     def resident(self) -> list[int]:
         """Swapped blocks currently in a slot."""
@@ -346,6 +364,8 @@ class BlockSwapper:
                         )
                 else:
                     blk.saved_hooks = hooks
+        if self.tuner is not None and phase == "forward":
+            self.tuner.block_starts(index, self._stream())
         self._prefetch(index, direction, phase)
 
     def _post_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
@@ -353,6 +373,8 @@ class BlockSwapper:
         if blk.saved_hooks is not None:
             blk.saved_hooks.__exit__(None, None, None)
             blk.saved_hooks = None
+        if self.tuner is not None and graph_task_id() == -1:
+            self.tuner.block_ends(index, self._stream())
         if output is None or not torch.is_grad_enabled() or graph_task_id() != -1:
             return  # no backward will come (or this is a recompute, whose outputs are discarded)
         tensors = [t for t in iter_tensors(output) if t.requires_grad]
@@ -426,17 +448,23 @@ class BlockSwapper:
         if slot.occupant is not None:
             self._evict(slot, phase)
         src = pool.hosts[blk.pool_pos]
+        mark = None
         if self._cuda:
             # Everything that reads the slot's previous block is already queued on the compute
             # stream (forward: that block returned; backward: see the module docstring), so an
             # event recorded now is the point after which the buffer may be overwritten.
             slot.free.record(torch.cuda.current_stream(self.device))
             self._copy_stream.wait_event(slot.free)
+            if self.tuner is not None:  # timed from when the copy can start: after the wait
+                mark = self.tuner.copy_marks(self._copy_stream)
             with torch.cuda.stream(self._copy_stream):
                 slot.buf.copy_(src, non_blocking=pool.pinned)
                 slot.ready.record(self._copy_stream)
         else:
+            mark = self.tuner.copy_marks(None) if self.tuner is not None else None
             slot.buf.copy_(src)
+        if mark is not None:
+            self.tuner.copied(self._pools.index(pool), mark, self._stream(copy=True))
         for e, obj in zip(blk.entries, slot.objs):
             if e.wrapped:
                 set_targets(e, obj)

@@ -40,7 +40,7 @@ class PoolStats:
 class SwapStats:
     n_swapped: int
     slots: int
-    """Device buffers in all pools; never grows after :meth:`BlockSwapper.install`."""
+    """Device buffers in all pools; grows after :meth:`BlockSwapper.install` only when the prefetch tuner deepens."""
     device_buffer_bytes: int
     h2d_bytes: int
     """Bytes copied host-to-device by the schedule since install."""

@@ -100,11 +100,44 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     for name, block_mask in plan:
         blocks += list(getattr(model, name))
         mask += block_mask
-    setup.swapper = BlockSwapper(blocks, mask, device, slots_per_shape=cfg.memory.swap_prefetch + 1)
+    depth = cfg.memory.swap_prefetch
+    tuner = prefetch_tuner(cfg, device, setup, out)
+    setup.swapper = BlockSwapper(blocks, mask, device, slots_per_shape=max(depth, 1) + 1, tuner=tuner)
     setup.swapper.install(root=model)  # also moves everything outside the block lists to the device
     stats = setup.swapper.stats
-    setup.facts["swap"] = {"blocks_per_list": dict(zip(lists, counts)),
-                           "swapped_blocks": stats.n_swapped, "device_buffer_bytes": stats.device_buffer_bytes}
+    prefetch = {"auto": depth == 0, "depth": max(depth, 1)}
+    if depth == 0 and tuner is None:
+        prefetch["reason"] = "no CUDA: host copies are synchronous, a deeper prefetch hides nothing"
+    setup.facts["swap"] = {"blocks_per_list": dict(zip(lists, counts)), "swapped_blocks": stats.n_swapped,
+                           "device_buffer_bytes": stats.device_buffer_bytes, "prefetch": prefetch}
     out(f"block swap: {' + '.join(f'{n} of {len(getattr(model, b))} {b}' for b, n in zip(lists, counts))}"
-        f" kept in host memory; {stats.device_buffer_bytes / 2**20:.1f} MiB of device buffers")
+        f" kept in host memory; {stats.device_buffer_bytes / 2**20:.1f} MiB of device buffers; prefetch "
+        + ("1 block ahead until update 2 measures copies and compute (memory.swap_prefetch = 0: auto)"
+           if tuner is not None and tuner.grow else f"{max(depth, 1)} block(s) ahead"))
     return setup
+
+
+def prefetch_tuner(cfg: Any, device: torch.device, setup: MemorySetup, out: Callable[[str], None]) -> Any:
+    """On a GPU, the second update's copies and block compute are measured (swap_tune). With
+    memory.swap_prefetch = 0 ("auto") they choose the depth, within what the card (and
+    memory.vram_budget) leaves after that update's peak; with an explicit depth the log and record
+    only say what auto would choose. Without CUDA nothing is measured: the copies are synchronous
+    there, so a deeper prefetch hides nothing."""
+    if device.type != "cuda":
+        return None
+    from .swap_tune import PrefetchTuner
+
+    def allowance() -> int:
+        margin = 2**30  # kept free on the card: fragmentation, the CUDA context's growth
+        room = torch.cuda.get_device_properties(device).total_memory - torch.cuda.max_memory_reserved(device) - margin
+        if cfg.memory.vram_budget > 0:  # as plan_budget checks it: peak x 1.05 + 0.5 GiB of CUDA context
+            room = min(room, int(cfg.memory.vram_budget * 2**30) - 2**29
+                       - int(torch.cuda.max_memory_allocated(device) * 1.05))
+        return max(0, room)
+
+    def report(message: str, facts: dict[str, Any]) -> None:
+        out(message)
+        setup.facts["swap"]["prefetch"] = facts
+        setup.facts["swap"]["device_buffer_bytes"] = setup.swapper.stats.device_buffer_bytes
+
+    return PrefetchTuner(allowance, report, grow=cfg.memory.swap_prefetch == 0)
