@@ -193,3 +193,17 @@ def test_tuner_on_the_cuda_path_times_after_the_waits(monkeypatch) -> None:
     assert {e[2].name for _, e in timed} == {"copy", "compute"}
     assert ("synchronize",) not in fake.log  # the fake device is "cpu": no synchronize asked
     sw.remove()
+
+
+def test_out_of_memory_while_adding_slots_keeps_the_depth(monkeypatch) -> None:
+    def no_room(self, depth):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 340.00 MiB")
+
+    monkeypatch.setattr(BlockSwapper, "grow", no_room)
+    ref = train(build_toy("nonreentrant"), toy_batches(3), toy_loss)
+    sw, got, reports = tuned_run(monkeypatch, depth_wanted=3)
+    assert_same_training(ref, got)  # training goes on at the depth it had
+    assert sw.lookahead == 1 and sw.stats.slots == 4
+    [(msg, facts)] = reports
+    assert facts["depth"] == 1 and facts["reason"] == "out of memory adding the slots of 3"
+    assert "stays at 1 block(s) ahead (out of memory adding the slots for 3)" in msg

@@ -325,15 +325,15 @@ class BlockSwapper:
 
     def grow(self, depth: int) -> None:
         """Prefetch ``depth`` swapped blocks ahead from now on: slots added up to ``depth + 1`` per pool."""
-        self.slots_per_shape, self.lookahead = depth + 1, depth
+        self.slots_per_shape = depth + 1
         for pool in self._pools:
             self._alloc_slots(pool)
+        self.lookahead = depth  # (after: out of memory above leaves the lookahead, and extra slots serve LRU)
 
     def layout(self) -> tuple[list[int | None], dict[int, int], dict[int, int]]:
         """(each block's pool or None, bytes of a block per pool, swapped blocks per pool): for the tuner."""
-        pools = dict(enumerate(self._pools))
         return ([self._pools.index(b.pool) if b.swapped else None for b in self._blocks],
-                {k: p.block_bytes for k, p in pools.items()}, {k: len(p.members) for k, p in pools.items()})
+                dict(enumerate(p.block_bytes for p in self._pools)), dict(enumerate(len(p.members) for p in self._pools)))
 
     def _stream(self, copy: bool = False) -> Any:
         return (self._copy_stream if copy else torch.cuda.current_stream(self.device)) if self._cuda else None

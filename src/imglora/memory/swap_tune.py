@@ -215,7 +215,13 @@ class PrefetchTuner:
                            for p in sorted(copy_s))
         stalls = ", ".join(f"{d}: {1e3 * s:.1f} ms" for d, s in choice.stall.items())
         if depth > current:
-            swapper.grow(depth)
+            try:
+                swapper.grow(depth)
+            except torch.OutOfMemoryError:
+                facts.update(depth=current, extra_device_bytes=0, reason=f"out of memory adding the slots of {depth}")
+                self.report(f"block swap: prefetch stays at {current} block(s) ahead (out of memory adding the slots "
+                            f"for {depth})", facts)
+                return
         grown = (f"{depth} blocks ahead (+{choice.extra_bytes / 2**20:.0f} MiB of device buffers)"
                  if depth > current else f"{current} block(s) ahead")
         how = f"from update {self.measure_on}'s forward" if self.grow else \
