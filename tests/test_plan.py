@@ -33,6 +33,8 @@ def measured_peak(cfg) -> int:
     ("tiny-flux", ["memory.fp8=true", "memory.blocks_to_swap=4"]),
     pytest.param("tiny-flux", ["memory.fp8=false", "memory.blocks_to_swap=0"], marks=pytest.mark.slow),
     ("tiny-sdxl", ["memory.gradient_checkpointing=false", "data.resolution=64"]),
+    ("tiny-sdxl", ["lora.text_encoder=true", "data.resolution=64"]),
+    pytest.param("tiny-flux", ["lora.text_encoder=true", "memory.blocks_to_swap=0"], marks=pytest.mark.slow),
     pytest.param("tiny-sdxl", ["memory.fp8=true"], marks=pytest.mark.slow),
 ])
 def test_the_prediction_is_within_ten_percent_of_a_real_step(preset: str, overrides: list[str]) -> None:
@@ -44,6 +46,14 @@ def test_the_prediction_is_within_ten_percent_of_a_real_step(preset: str, overri
     real = measured_peak(cfg)
     assert 0.9 * real <= p.device_peak <= 1.1 * real, (p.device_peak, real, [(t.key, t.bytes) for t in p.terms])
     assert p.term("activations_saved") > 0 and p.term("lora") > 0 and p.term("optimizer_state") == 2 * p.term("lora")
+    if cfg.lora.text_encoder:  # the encoders trained beside the model: their weights, adapter and state counted
+        encoders = family.meta_trainable(resolve_model(cfg.model, family), cfg, torch.float32).text_encoders
+        assert p.term("text_encoders") == sum(held_bytes(e) for e in encoders.values()) > 0
+        without = plan.predict(cfg.replace(lora={"text_encoder": False}), family, [setting], device_kind="cpu",
+                               src=resolve_model(cfg.model, family)).settings[0]
+        assert p.term("lora") > without.term("lora") and without.term("text_encoders") == 0
+    else:
+        assert p.term("text_encoders") == 0
 
 
 @pytest.mark.slow

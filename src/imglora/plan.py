@@ -118,6 +118,7 @@ class Profile:
     lora_params: list[tuple[str, int, tuple[int, ...]]]  # (name, numel, shape) of the trainable tensors
     model: torch.nn.Module  # the meta model with LoRA (for the weight terms)
     dtype: torch.dtype
+    text_encoders: int = 0  # frozen bytes of the text encoders trained with the adapter (lora.text_encoder)
 
 
 def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
@@ -125,10 +126,15 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
     trainable = family.meta_trainable(src, cfg, dtype)
     model = trainable.model
     lora.inject(model, family, cfg.lora, cfg.train.seed)
-    for p in lora.trainable_parameters(model):
-        p.data = p.data.float()  # as loop.adapt: LoRA trains in fp32
+    encoders = getattr(trainable, "text_encoders", None) or {}  # lora.text_encoder: trained beside the model
+    if encoders:
+        lora.inject_text_encoders(encoders, family, cfg.lora, cfg.train.seed)
+    for module in (model, *encoders.values()):
+        for p in lora.trainable_parameters(module):
+            p.data = p.data.float()  # as loop.adapt: LoRA trains in fp32
     if autocast is not None:
-        lora.keep_input_dtype(model)  # as loop.build_session under autocast
+        for module in (model, *encoders.values()):
+            lora.keep_input_dtype(module)  # as loop.build_session under autocast
     model.train()
     batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("meta"))
     batch_bytes = held_bytes(list(batch.values()))
@@ -138,12 +144,17 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
         meter.mark("forward")
         loss.backward()
         del loss
-    params = [(n, p.numel(), tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    for p in model.parameters():
-        p.grad = None
+    modules = {"": model, **{f"{part}.": e for part, e in encoders.items()}}
+    params = [(prefix + n, p.numel(), tuple(p.shape)) for prefix, m in modules.items()
+              for n, p in m.named_parameters() if p.requires_grad]
+    grads = sum(p.grad.numel() * p.grad.element_size() for m in modules.values() for p in m.parameters()
+                if p.grad is not None)
+    for m in modules.values():
+        for p in m.parameters():
+            p.grad = None
     return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
-                   lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs))
+                   lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs),
+                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,7 +294,10 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
                  + ("; auto prefetch adds more only where the card has room" if cuda and slots and
                     cfg.memory.swap_prefetch == 0 else "") + ")", slots, dev),
             Term("weights_non_block", "weights outside the blocks", non_block, dev),
-            Term("lora", f"{cfg.lora.type} adapter weights (fp32)", lora_bytes, dev),
+            Term("text_encoders", "text encoders trained with the adapter (lora.text_encoder), frozen weights",
+                 prof.text_encoders, dev),
+            Term("lora", f"{cfg.lora.type} adapter weights (fp32)" + (", text encoders' included" if prof.text_encoders
+                                                                       else ""), lora_bytes, dev),
             Term("optimizer_state", opt_note + (", + the adapter's moving average (train.ema)" if ema_device else ""),
                  state, dev),
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
@@ -294,7 +308,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         if not cuda:
             terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,
                               "host"))
-        static = resident + slots + non_block + lora_bytes + state + prof.batch + (0 if cuda else swapped)
+        static = resident + slots + non_block + prof.text_encoders + lora_bytes + state + prof.batch + \
+            (0 if cuda else swapped)
         backward = static + saved + act_extra + dequant
         step = static + prof.grads + temps
         terms.append(Term("optimizer_step", "optimizer step: gradients + temporaries (if it is the peak)",

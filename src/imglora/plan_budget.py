@@ -109,7 +109,8 @@ def measured_peak(session: Any, batch: dict[str, torch.Tensor], updates: int = 3
     loss_sum = torch.zeros(())
     peak = 0
     for i in range(updates):
-        base = held_bytes(session.model, session.optimizer, list(batch.values()), buffers, loss_sum)
+        base = held_bytes(session.model, *loop.text_encoders(session.trainable).values(), session.optimizer,
+                          list(batch.values()), buffers, loss_sum)
         with LiveBytes() as meter:
             loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(i)), loss_sum)
         peak = max(peak, base + meter.peak)

@@ -92,7 +92,7 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
                 if family.frozen_text_outputs else "; no text output is cached")
         p.notes.append(f"lora.text_encoder: {' and '.join(family.text_encoder_parts)} train with the adapter, so their "
                        f"outputs can no longer be cached: they stay loaded and run in every update{kept}; their "
-                       "weights, activations and adapter are not counted above")
+                       "weights (text_encoders), adapter, optimizer state and activations are counted above")
     if device == "cuda":
         p.notes.append("a card needs the peak x 1.05 (allocator rounding) + about 0.5 GiB (CUDA context); "
                        "host RAM counts this process as measured now, without CUDA's libraries")

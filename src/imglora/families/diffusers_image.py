@@ -306,3 +306,17 @@ def random_on_device(family: Any, model: torch.nn.Module, cfg: "Config", dtype: 
     model = random_init_parts(model, dtype, device, parts, ready)
     return model, {"built_on": str(device), "parts": len(parts), "quantized_as_built": fp8,
                    "left_on_host": len(swapped)}
+
+
+def meta_text_encoders(family: Any, root: "Path | None", shipped: Path, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """lora.text_encoder: the encoders it trains (``family.text_encoder_parts``), made from their
+    configs in ``root`` (else the ``shipped`` ones) on the meta device, frozen: for imglora plan."""
+    import transformers
+
+    encoders = {}
+    for part in family.text_encoder_parts:
+        folder = next(f / part for f in (root, shipped) if f is not None and (f / part / "config.json").is_file())
+        config = transformers.AutoConfig.from_pretrained(str(folder))  # a local folder: no network
+        with torch.device("meta"):
+            encoders[part] = getattr(transformers, config.architectures[0])(config).to(dtype).requires_grad_(False)
+    return encoders

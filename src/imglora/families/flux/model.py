@@ -66,10 +66,11 @@ def synthetic_batch(trainable: "FluxTrainable", resolution: int, cfg: Any,
     n, r = cfg.train.batch_size, resolution
     length = cfg.cache.text_max_length or TEXT_MAX_LENGTH
     g = torch.Generator().manual_seed(0)
+    pooled = {"input_ids": torch.zeros(n, 77, dtype=torch.long)} if trainable.text_encoders else {
+        "pooled_prompt_embeds": torch.randn(n, c.pooled_projection_dim, generator=g)}  # (trained CLIP-L: tokens)
     return {k: v.to(device) for k, v in {
         "latents": torch.randn(n, c.in_channels // 4, r // 8, r // 8, generator=g),
-        "prompt_embeds": torch.randn(n, length, c.joint_attention_dim, generator=g),
-        "pooled_prompt_embeds": torch.randn(n, c.pooled_projection_dim, generator=g),
+        "prompt_embeds": torch.randn(n, length, c.joint_attention_dim, generator=g), **pooled,
         "time_ids": torch.zeros(n, 6),
     }.items()}
 
@@ -180,4 +181,11 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "FluxTr
     transformer.requires_grad_(False)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    return FluxTrainable(transformer, cfg.family)
+    trainable = FluxTrainable(transformer, cfg.family)
+    if cfg.lora.text_encoder:
+        from .. import diffusers_image
+        from . import FluxFamily
+
+        trainable.text_encoders = diffusers_image.meta_text_encoders(FluxFamily, root, singlefile.CONFIGS / "flux1-dev",
+                                                                     dtype)
+    return trainable

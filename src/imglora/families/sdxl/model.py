@@ -94,10 +94,11 @@ def synthetic_batch(trainable: "SdxlTrainable", resolution: int, cfg: Any,
     n, r = cfg.train.batch_size, resolution
     g = torch.Generator().manual_seed(0)
     pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
-    return {k: v.to(device) for k, v in {
-        "latents": torch.randn(n, c.in_channels, r // 8, r // 8, generator=g),
+    text = {key: torch.zeros(n, 77, dtype=torch.long) for key in TOKEN_KEYS} if trainable.text_encoders else {
         "prompt_embeds": torch.randn(n, 77, c.cross_attention_dim, generator=g),
-        "pooled_prompt_embeds": torch.randn(n, pooled, generator=g),
+        "pooled_prompt_embeds": torch.randn(n, pooled, generator=g)}  # (trained encoders: tokens instead)
+    return {k: v.to(device) for k, v in {
+        "latents": torch.randn(n, c.in_channels, r // 8, r // 8, generator=g), **text,
         "time_ids": torch.tensor([[r, r, 0, 0, r, r]] * n, dtype=torch.float32),
     }.items()}
 
@@ -179,4 +180,10 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTr
     if cfg.memory.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     scheduler = DDPMScheduler.from_config(DDPMScheduler.load_config(str(root), subfolder="scheduler"))
-    return SdxlTrainable(unet, scheduler, cfg.family)
+    trainable = SdxlTrainable(unet, scheduler, cfg.family)
+    if cfg.lora.text_encoder:
+        from .. import diffusers_image
+        from . import SdxlFamily
+
+        trainable.text_encoders = diffusers_image.meta_text_encoders(SdxlFamily, root, singlefile.SHIPPED, dtype)
+    return trainable
