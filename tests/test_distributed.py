@@ -199,3 +199,15 @@ def test_bench_swap_runs_a_setting_on_two_processes(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert report["processes"] == 2 and report["results"][0]["status"] == "ok"
     assert report["results"][0]["processes"] == 2
+
+
+def test_shutdown_leaves_the_process_group_before_exit(tmp_path: Path) -> None:
+    """The group is torn down by the command, not by destructors at interpreter exit (where gloo's
+    threads once aborted a worker that had finished: SIGABRT after the last update)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    assert dist.is_initialized()
+    distributed.shutdown(True)
+    assert not dist.is_initialized()
+    distributed.shutdown(False)  # nothing left to tear down: no error

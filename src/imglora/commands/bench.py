@@ -339,6 +339,7 @@ def main() -> None:
     spec_path, result_path = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
     result = run_setting(spec)
+    distributed.shutdown(True)  # several processes: leave together, before exit-time teardown
     if distributed.rank_from_env() == 0:  # several processes: the main one reports (its own peak memory)
         atomic.write_json(result_path, {**result, "processes": distributed.launched_processes()})
 

@@ -37,8 +37,13 @@ def train(cfg: Config, *, resume: bool = False, command: str = "", out: Callable
             for folder in (cfg.run_dir, cfg.run_dir / "checkpoints"):
                 for line in atomic.recover(folder):  # only this process writes here now (the lock)
                     out(f"cleanup: {line}")
-        result = train_loop(cfg, registry.get(cfg.model.family), registry, resume_run=resume, command=command,
-                            out=out)
+        finished = False
+        try:
+            result = train_loop(cfg, registry.get(cfg.model.family), registry, resume_run=resume, command=command,
+                                out=out)
+            finished = True
+        finally:
+            distributed.shutdown(finished)  # several processes: leave together, before exit-time teardown
     if cfg.train.eval_after and not result.interrupted and main:
         # Evaluate in a fresh process once this one has let go of the model, so sampling's memory
         # peak never stacks on training's (the train record holds training's peak only).
