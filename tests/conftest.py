@@ -48,6 +48,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: on a shared 2-core runner a second
+    thread only adds contention (steps measured ~10x slower with 2 threads while other tests run).
+    A module or folder asks for it with ``usefixtures("one_thread")`` or an autouse fixture."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

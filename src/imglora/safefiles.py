@@ -41,8 +41,9 @@ def is_side_key(key: str) -> bool:
 def pickle_refusal(path: Path) -> ModelSourceError:
     """The one message for every pickle: why not, and the one-liner to convert it oneself."""
     out = path.with_suffix(".safetensors")
-    cmd = (f"python -c \"import torch, safetensors.torch as st; sd = torch.load('{path}', map_location='cpu', "
-           f"weights_only=True); sd = sd.get('state_dict', sd); st.save_file({{k: v.contiguous() for k, v in "
+    cmd = (f"python -c \"import torch, safetensors.torch as st; "
+           f"sd = torch.load('{path}', weights_only=True, map_location='cpu'); "
+           f"sd = sd.get('state_dict', sd); st.save_file({{k: v.contiguous() for k, v in "
            f"sd.items() if isinstance(v, torch.Tensor)}}, '{out}')\"")
     return ModelSourceError(
         f"{path} is a pickle file; imglora loads weights from .safetensors files only, because loading a "

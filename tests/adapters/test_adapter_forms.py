@@ -32,12 +32,7 @@ LAYERS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass(frozen=True)

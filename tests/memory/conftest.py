@@ -1,12 +1,6 @@
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The models here are tiny: intra-op threads only add contention on a shared 2-core runner
-    # (measured ~10x slower steps with 2 threads while other tests run).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every module here runs on one thread (tests/conftest.py's one_thread)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from layouts import write_bfl_flux, write_clip_l, write_flux_ae, write_sdxl_vae, write_sgm_sdxl, write_t5xxl
 
 from imglora.families import registry
@@ -13,12 +12,8 @@ from imglora.tiny import ensure_tiny
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core machine: extra intra-op threads only add contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every module here runs on one thread (tests/conftest.py's one_thread)."""
 
 
 @pytest.fixture(scope="session")
