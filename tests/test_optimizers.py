@@ -83,6 +83,7 @@ def test_each_optimizer_continues_bit_for_bit_from_its_saved_state(name: str) ->
 
 
 def test_arguments_reach_the_optimizer_and_override_the_adam_settings() -> None:
+    pytest.importorskip("prodigyopt", reason="prodigyopt is optional: pip install -e \".[optim]\"")
     cfg = cfg_for("prodigy", {"d_coef": 2.0, "safeguard_warmup": True, "betas": [0.95, 0.99]},
                   "train.learning_rate=1.0", "train.weight_decay=0.02")
     group = optimizers.make(cfg, params()).param_groups[0]
@@ -94,6 +95,7 @@ def test_arguments_reach_the_optimizer_and_override_the_adam_settings() -> None:
 
 
 def test_config_errors_name_the_optimizer_problems_all_at_once() -> None:
+    pytest.importorskip("prodigyopt", reason="prodigyopt is optional: pip install -e \".[optim]\"")
     with pytest.raises(ConfigError) as exc:
         load_config(PRESET, ['train.optimizer="prodigy"', "train.optimizer_args={d_coeff = 2, lr = 1}",
                              "train.warmup_steps=1000"])

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from .owned import load_file
 
 from . import atomic
 from .errors import ImgloraError

@@ -231,12 +231,10 @@ def read_adapter(path: Path, cfg: "Config") -> dict[str, af.Module]:
     file's own ``lora_adapter_metadata`` (the peft config saved with those exact weights), else from
     the run's ``lora`` settings.
     """
-    from safetensors import safe_open
+    from .owned import read_file
 
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            header = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        tensors, header = read_file(path)
     except Exception as exc:  # safetensors raises its own error types for truncated or foreign files
         raise ImgloraError(f"{path}: cannot read the adapter ({exc}); the file is damaged or not an imglora "
                            "adapter") from None

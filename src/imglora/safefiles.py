@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .errors import ModelSourceError
+from .owned import copy, own_module, unaligned_reads
 
 PathLike = str | os.PathLike
 log = logging.getLogger(__name__)
@@ -129,8 +130,14 @@ class Reader:
 
         fp8 is upcast, and multiplied by its scale if the file has one, tensor by tensor, so the
         file is never held dequantized as a whole. The result never aliases the memory-mapped file:
-        a model must not change if the file is rewritten while it is in use.
+        a model must not change if the file is rewritten while it is in use; and it is aligned
+        (``imglora.owned``; under its test switch, deliberately not).
         """
+        out = self._get(key, dtype, device, rows)
+        return copy(out) if unaligned_reads() else out
+
+    def _get(self, key: str, dtype: torch.dtype, device: torch.device | str,
+             rows: tuple[int, int] | None) -> torch.Tensor:
         t = self.handle.get_tensor(key)
         if not t.is_floating_point():
             raise ModelSourceError(f"{self.path}: {key} is stored as {t.dtype}, a packed quantized format "
@@ -197,7 +204,7 @@ def fill(model: Any, state: dict[str, torch.Tensor], *, path: Path, what: str, h
     check_shapes(path, what, {k: v.shape for k, v in state.items()},
                  {k: v.shape for k, v in model.state_dict().items()}, hint)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return own_module(model).eval()  # (a no-op unless the test switch put the tensors read at odd addresses)
 
 
 def diffusers_config(cls: Any, config: PathLike | Mapping[str, Any], subfolder: str) -> dict[str, Any]:

@@ -46,13 +46,13 @@ class Cache:
         self.path(kind, key).unlink(missing_ok=True)
 
     def get(self, kind: str, key: str) -> dict[str, "torch.Tensor"]:
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
+
+        from ..owned import read_file
 
         path = self.path(kind, key)
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                meta = fh.metadata() or {}
-                tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors, meta = read_file(path)
         except (SafetensorError, OSError, ValueError) as exc:
             raise CorruptEntry(f"cache entry {path} cannot be read ({exc}); it will be re-encoded") from None
         if meta.get("key") != key:

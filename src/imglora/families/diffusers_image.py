@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import devices
+from ..owned import own_module
 from ..errors import ImgloraError
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def text_folders(family: Any, src: "ModelSource") -> list[Path]:
 def load_vae(family: Any, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype).to(device).eval()
+    return own_module(AutoencoderKL.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)).to(device).eval()
 
 
 def prepare_data(family: Any, cfg: "Config", src: "ModelSource", device: torch.device) -> Any:
@@ -112,10 +113,10 @@ def save_adapter(family: Any, model: torch.nn.Module, peft_config: Any, folder: 
 def read_adapter(family: Any, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]:
     """The adapter state of one component (the denoiser by default; ``text_encoder``, ...) of a
     saved adapter, keyed without the component's prefix."""
-    from safetensors.torch import load_file
+    from ..owned import load_file
 
     prefix = f"{component or family.denoiser}."
-    weights = load_file(str(Path(folder) / ADAPTER_FILE))
+    weights = load_file(Path(folder) / ADAPTER_FILE)
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 

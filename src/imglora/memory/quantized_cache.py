@@ -138,10 +138,10 @@ def load(folder: Path, model: nn.Module, parts: Sequence[tuple[str, nn.Module]],
 def _fill(path: Path, target: nn.Module, skip: tuple[str, ...]) -> None:
     """Load the file into ``target`` through quanto's own deserialization (which rebuilds a quantized
     weight from its ``weight._data``/``weight._scale``); names under ``skip`` are filled later."""
-    from safetensors.torch import load_file
+    from ..owned import load_file, own_module
 
     try:
-        state = load_file(str(path))
+        state = load_file(path)
     except Exception as e:  # noqa: BLE001 - safetensors' errors for a cut-short file vary by version
         raise DamagedEntry(f"{path}: not a readable safetensors file ({e})") from e
     try:
@@ -153,3 +153,4 @@ def _fill(path: Path, target: nn.Module, skip: tuple[str, ...]) -> None:
         raise DamagedEntry(f"{path}: does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
     for p in target.parameters():  # quanto's loader makes every weight it rebuilds trainable
         p.requires_grad_(False)
+    own_module(target)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 
+import copy
+
 import pytest
 import torch
-from checks import assert_same_weights
+from checks import assert_same_output, assert_same_weights, owned
 from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
@@ -50,8 +52,9 @@ def test_forward_is_identical(files, config, ref):
               "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
               "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text, 3)}
     inputs["img_ids"][:, 1] = torch.arange(tokens)
+    mine = owned(copy.deepcopy(ref))
     with torch.no_grad():
-        assert torch.equal(model(**inputs).sample, ref(**inputs).sample)
+        assert_same_output(model(**inputs).sample, ref(**inputs).sample, mine(**inputs).sample)
 
 
 def test_fp8_file_equals_the_fp8_rounded_weights(files, config, ref):

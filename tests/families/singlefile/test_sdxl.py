@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import assert_same_weights
+import copy
+
+from checks import assert_same_output, assert_same_weights, owned
 from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
@@ -39,17 +41,22 @@ def test_unet_forward_is_identical(loaded, pipe):
     context = torch.randn(1, 7, cfg.cross_attention_dim, generator=g)
     pooled = torch.randn(1, pipe.text_encoder_2.config.projection_dim, generator=g)
     cond = {"text_embeds": pooled, "time_ids": torch.tensor([[16.0, 16.0, 0.0, 0.0, 16.0, 16.0]])}
+    mine = owned(copy.deepcopy(pipe.unet))
     with torch.no_grad():
-        want = pipe.unet(sample, 500, context, added_cond_kwargs=cond).sample
+        raw = pipe.unet(sample, 500, context, added_cond_kwargs=cond).sample
+        want = mine(sample, 500, context, added_cond_kwargs=cond).sample
         got = loaded["unet"](sample, 500, context, added_cond_kwargs=cond).sample
-    assert torch.equal(got, want)
+    assert_same_output(got, raw, want)
 
 
 def test_text_encoders_give_identical_outputs(loaded, pipe):
     ids = pipe.tokenizer(["a photo of sks toy"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    te1, te2 = (owned(copy.deepcopy(e)) for e in (pipe.text_encoder, pipe.text_encoder_2))
     with torch.no_grad():
-        assert torch.equal(loaded["text_encoder"](ids).last_hidden_state, pipe.text_encoder(ids).last_hidden_state)
-        assert torch.equal(loaded["text_encoder_2"](ids).text_embeds, pipe.text_encoder_2(ids).text_embeds)
+        assert_same_output(loaded["text_encoder"](ids).last_hidden_state, pipe.text_encoder(ids).last_hidden_state,
+                           te1(ids).last_hidden_state)
+        assert_same_output(loaded["text_encoder_2"](ids).text_embeds, pipe.text_encoder_2(ids).text_embeds,
+                           te2(ids).text_embeds)
 
 
 def test_agrees_with_diffusers_from_single_file(files, sdxl_dir, loaded):

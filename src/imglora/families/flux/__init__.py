@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...owned import own_module
 from .. import diffusers_image as common
 from . import comfyui, keys, model, singlefile, swap, tiny
 from .config import FluxConfig
@@ -101,7 +102,7 @@ class FluxFamily:
         else:
             encoders = (CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype),
                         T5EncoderModel.from_pretrained(src.root, subfolder="text_encoder_2", torch_dtype=dtype))
-        return (*tokenizers, *(e.to(device).eval() for e in encoders))
+        return (*tokenizers, *(own_module(e).to(device).eval() for e in encoders))
 
     @torch.no_grad()
     def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
@@ -144,7 +145,7 @@ class FluxFamily:
             from ..singlefile.text import load_clip_l
 
             return load_clip_l(src.files["text_encoder"], src.root, dtype).eval()
-        return CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype).eval()
+        return own_module(CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)).eval()
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:

@@ -23,6 +23,7 @@ import torch
 from ... import record
 from ...errors import ModelSourceError
 from ...memory.host import release_free_memory
+from ...owned import own_module
 from ...safefiles import diffusers_config, open_file
 from .singlefile import _BLOCKS, OnBlock, load_flux_transformer
 
@@ -68,11 +69,13 @@ def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | 
             return readers[path].get(key, dtype)
 
         model.load_state_dict({k: read(k) for k in files if not k.startswith(block_keys)}, strict=False, assign=True)
+        own_module(model)
         for kind, name in _BLOCKS.items():
             for index, block in enumerate(getattr(model, name)):
                 pre = f"{name}.{index}."
                 block.load_state_dict({k[len(pre):]: read(k) for k in files if k.startswith(pre)}, strict=True,
                                       assign=True)
+                own_module(block)  # (a no-op unless the test switch put the tensors read at odd addresses)
                 if on_block is not None:
                     on_block(kind, index, block)
                 release_free_memory()

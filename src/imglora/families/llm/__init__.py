@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...owned import own_module
 from . import data, merge as merging, tiny
 from .chat import IGNORE
 from .config import LlmConfig
@@ -95,7 +96,7 @@ class LlmFamily:
         from transformers import AutoModelForCausalLM
 
         # On the CPU: apply_memory quantizes layer by layer, then moves the model to the device.
-        model = AutoModelForCausalLM.from_pretrained(src.root, dtype=dtype)
+        model = own_module(AutoModelForCausalLM.from_pretrained(src.root, dtype=dtype))
         model.config.use_cache = False  # a KV cache is useless in training and conflicts with checkpointing
         if cfg.memory.gradient_checkpointing:
             # Non-reentrant: works with a frozen base (no enable_input_require_grads needed) and
@@ -184,9 +185,9 @@ class LlmFamily:
 
     def read_adapter(self, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]:
         """LoRA state keyed as ``get_peft_model_state_dict`` keys it (``model.layers.0...lora_A.weight``)."""
-        from safetensors.torch import load_file
+        from ...owned import load_file
 
-        weights = load_file(str(Path(folder) / ADAPTER_FILE))
+        weights = load_file(Path(folder) / ADAPTER_FILE)
         return {k.removeprefix(PEFT_PREFIX): v for k, v in weights.items()}
 
 

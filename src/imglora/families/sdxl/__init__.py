@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...owned import own_module
 from .. import diffusers_image as common
 from . import comfyui, keys, model, singlefile, tiny
 from .config import SdxlConfig
@@ -86,7 +87,7 @@ class SdxlFamily:
             encoders = (CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype),
                         CLIPTextModelWithProjection.from_pretrained(src.root, subfolder="text_encoder_2",
                                                                     torch_dtype=dtype))
-        return (*tokenizers, *(e.to(device).eval() for e in encoders))
+        return (*tokenizers, *(own_module(e).to(device).eval() for e in encoders))
 
     @torch.no_grad()
     def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:

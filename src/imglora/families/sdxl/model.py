@@ -9,6 +9,7 @@ import torch
 
 from ... import weighting
 from ...errors import ImgloraError
+from ...owned import own_module
 from ...rng import draws
 from ...tiny import random_init
 from . import singlefile
@@ -33,7 +34,7 @@ def load_trainable(src: "ModelSource", cfg: Any, dtype: torch.dtype) -> "SdxlTra
     if src.files:
         unet = singlefile.load_part(src, "unet", dtype)
     else:
-        unet = UNet2DConditionModel.from_pretrained(src.root, subfolder="unet", torch_dtype=dtype)
+        unet = own_module(UNet2DConditionModel.from_pretrained(src.root, subfolder="unet", torch_dtype=dtype))
     if cfg.memory.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     # The training-time view of the noise schedule; the pipeline's sampler config only contributes
