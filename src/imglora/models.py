@@ -65,8 +65,12 @@ class FileFinder:
         if path.is_file():
             return path
         if self.comfyui and not path.is_absolute():
-            from .comfyui import find_model_file
+            from .comfyui import find_model_file, model_folders
 
+            try:  # a fault of the ComfyUI folder or its YAML is the same for every kind: said once
+                model_folders(self.comfyui, kinds[0])
+            except ModelSourceError as exc:
+                raise ModelSourceError(f"{setting} = {name!r}: {exc}") from None
             errors = []
             for kind in kinds:
                 try:
