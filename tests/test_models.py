@@ -72,3 +72,67 @@ def test_hf_blob_checksum_is_taken_from_its_name(tmp_path: Path) -> None:
     plain = tmp_path / "plain.bin"
     plain.write_bytes(b"abc")
     assert record.cached_sha256(plain) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def _with_pickled(tiny: Path, dest: Path, part: str, name: str) -> Path:
+    """A copy of a tiny model whose ``part`` ("" for the root) holds its weights as a torch.save pickle
+    ``name`` instead of the .safetensors file (as older hub repos and some conversions do)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(tiny, dest)
+    folder = dest / part
+    for f in folder.glob("*.safetensors"):
+        torch.save(load_file(str(f)), folder / name)
+        f.unlink()
+    return folder / name
+
+
+def test_a_folder_whose_weights_are_a_pickle_is_refused_before_loading(tmp_path: Path, monkeypatch) -> None:
+    import diffusers
+
+    from imglora.tiny import ensure_tiny
+
+    family = get_family("sdxl")
+    pickled = _with_pickled(ensure_tiny(family), tmp_path / "sdxl", "vae", "diffusion_pytorch_model.bin")
+    monkeypatch.setattr(diffusers.AutoencoderKL, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the pickled VAE was loaded"))
+    with pytest.raises(ModelSourceError) as exc:
+        resolve_model(str(tmp_path / "sdxl"), family)
+    msg = str(exc.value)
+    assert f"{pickled} is a pickle file; imglora loads weights from .safetensors files only" in msg
+    assert f"'{pickled.with_suffix('.safetensors')}'" in msg  # the conversion writes what diffusers reads
+    llm = get_family("llm")
+    pickled = _with_pickled(ensure_tiny(llm), tmp_path / "llm", "", "pytorch_model.bin")
+    with pytest.raises(ModelSourceError, match=f"{pickled} is a pickle file"):
+        resolve_model(str(tmp_path / "llm"), llm)
+
+
+def test_a_pickle_beside_its_safetensors_is_not_refused(tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    from imglora.tiny import ensure_tiny
+
+    shutil.copytree(ensure_tiny(get_family("sdxl")), tmp_path / "sdxl")
+    torch.save({}, tmp_path / "sdxl" / "vae" / "diffusion_pytorch_model.bin")  # the loaders take the .safetensors
+    assert resolve_model(str(tmp_path / "sdxl"), get_family("sdxl")).root == tmp_path / "sdxl"
+
+
+def test_the_cli_refuses_a_pickled_component_with_exit_1(tmp_path: Path, small_run) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from imglora.cli import main
+    from imglora.tiny import ensure_tiny
+
+    pickled = _with_pickled(ensure_tiny(get_family("sdxl")), tmp_path / "sdxl", "vae", "diffusion_pytorch_model.bin")
+    args = ["cache-latents", str(Path(__file__).parents[1] / "presets" / "tiny-sdxl.toml"),
+            *[x for o in small_run() for x in ("--set", o)], "--set", f"model.path={json.dumps(str(tmp_path / 'sdxl'))}"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and f"{pickled} is a pickle file" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.safetensors"))

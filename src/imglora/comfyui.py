@@ -93,8 +93,12 @@ def extra_model_paths(root: Path) -> list[tuple[str, Path, bool]]:
 
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ModelSourceError(f"{path} is not valid YAML ({exc}); fix it (ComfyUI cannot read it either)") from None
+    except yaml.YAMLError as exc:  # its text spans lines (a caret under the line quoted): said in one
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        detail = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ModelSourceError(f"{path} is not valid YAML ({detail}{where}); fix it (ComfyUI cannot read it "
+                               "either)") from None
     if not isinstance(config, dict):
         raise ModelSourceError(f"{path}: expected sections of folder names, found {type(config).__name__}")
     out = []

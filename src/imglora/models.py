@@ -65,8 +65,12 @@ class FileFinder:
         if path.is_file():
             return path
         if self.comfyui and not path.is_absolute():
-            from .comfyui import find_model_file
+            from .comfyui import find_model_file, model_folders
 
+            try:  # a fault of the ComfyUI folder or its YAML is the same for every kind: said once
+                model_folders(self.comfyui, kinds[0])
+            except ModelSourceError as exc:
+                raise ModelSourceError(f"{setting} = {name!r}: {exc}") from None
             errors = []
             for kind in kinds:
                 try:
@@ -117,4 +121,25 @@ def _check_folder(folder: Path, family: "Family", shown: str) -> Path:
         fmt = "diffusers" if marker == "model_index.json" else "transformers"
         raise ModelSourceError(f"model.path = {shown!r} ({folder}) has no {marker}; the {family.name} family "
                                f"needs a {fmt}-format folder")
+    refuse_pickled_weights(folder)
     return folder
+
+
+# The weights names diffusers and transformers fall back to, and unpickle, when a component folder
+# has no .safetensors file (diffusion_pytorch_model.bin, pytorch_model-00001-of-00002.bin, ...).
+PICKLED_WEIGHTS_PREFIXES = ("diffusion_pytorch_model", "pytorch_model")
+
+
+def refuse_pickled_weights(folder: Path) -> None:
+    """Refuse a model folder, or one of its component folders, whose weights are only ``torch.save``
+    pickles: the loaders would unpickle them (weights_only=True narrows what a pickle can do, but it
+    is still a pickle). Where a .safetensors file is beside the pickle, the loaders take that one."""
+    from .safefiles import pickle_refusal
+
+    for part in (folder, *sorted(p for p in folder.iterdir() if p.is_dir())):
+        files = [p for p in part.iterdir() if p.is_file()]
+        if any(p.name.endswith(".safetensors") for p in files):
+            continue
+        pickles = sorted(p for p in files if p.suffix == ".bin" and p.name.startswith(PICKLED_WEIGHTS_PREFIXES))
+        if pickles:
+            raise pickle_refusal(pickles[0])

@@ -61,12 +61,17 @@ def folder_checksums(folder: Path, weights_only: bool = True) -> dict[str, str]:
     return out
 
 
-def identity(folders: list[Path]) -> str:
-    """One hash naming the exact contents of some model components (every file, configs included)."""
+def identity(paths: list[Path]) -> str:
+    """One hash naming the exact contents of some model components: every file of each folder
+    (configs included) and each single weight file, in order. A single file enters by content alone
+    (its sha256, remembered per file), so renaming or moving it keeps the key; another file changes it."""
     h = hashlib.sha256()
-    for folder in folders:
-        for rel, digest in folder_checksums(folder, weights_only=False).items():
-            h.update(f"{folder.name}/{rel}={digest}\n".encode())
+    for path in paths:
+        if Path(path).is_file():
+            h.update(f"file={cached_sha256(path)}\n".encode())
+            continue
+        for rel, digest in folder_checksums(path, weights_only=False).items():
+            h.update(f"{path.name}/{rel}={digest}\n".encode())
     return h.hexdigest()
 
 

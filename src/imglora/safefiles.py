@@ -40,10 +40,15 @@ def is_side_key(key: str) -> bool:
 
 
 def pickle_refusal(path: Path) -> ModelSourceError:
-    """The one message for every pickle: why not, and the one-liner to convert it oneself."""
+    """The one message for every pickle: why not, and the one-liner to convert it oneself. The
+    command writes a new file beside it, never over the pickle (a pickle named .safetensors) or a
+    file already there. torch.load gets an open file: given a name ending in .safetensors, it reads
+    it as safetensors and fails on a pickle."""
     out = path.with_suffix(".safetensors")
+    if out == path or out.exists():
+        out = path.with_name(f"{path.stem}.converted.safetensors")
     cmd = (f"python -c \"import torch, safetensors.torch as st; "
-           f"sd = torch.load('{path}', weights_only=True, map_location='cpu'); "
+           f"sd = torch.load(open('{path}', 'rb'), weights_only=True, map_location='cpu'); "
            f"sd = sd.get('state_dict', sd); st.save_file({{k: v.contiguous() for k, v in "
            f"sd.items() if isinstance(v, torch.Tensor)}}, '{out}')\"")
     return ModelSourceError(

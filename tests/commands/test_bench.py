@@ -53,23 +53,51 @@ def test_oom_is_reported_with_its_stage(monkeypatch) -> None:
     assert (r["status"], r["stage"]) == ("oom", "forward") and "Tried to allocate" in r["error"]
 
 
-def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_path: Path) -> None:
+def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "bench"
-    r = CliRunner().invoke(main, ["bench-swap", TINY_FLUX, "--blocks", "0,fp32:4,40", "--steps", "2", "--warmup", "1",
-                                  "--resolution", "64", "--out", str(out)])
+    real_worker = bench._run_worker
+
+    def worker(spec, folder, timeout):  # fp8:2 gets one second: its process is stopped before a result
+        return real_worker(spec, folder, 1 if spec["blocks"] == 2 else timeout)
+
+    monkeypatch.setattr(bench, "_run_worker", worker)
+    r = CliRunner().invoke(main, ["bench-swap", TINY_FLUX, "--blocks", "0,fp8:2,fp32:4", "--steps", "2", "--warmup",
+                                  "1", "--resolution", "64", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "bench.json").read_text())
     by = {x["setting"]: x for x in report["results"]}
-    assert by["fp8:0"]["status"] == "ok" and by["fp32:4"]["status"] == "ok"
-    assert by["fp8:40"]["status"] == "error" and by["fp8:40"]["stage"] == "load"  # refused before reading weights
-    assert "the largest valid number is" in by["fp8:40"]["error"]
+    assert by["fp8:0"]["status"] == "ok" and by["fp32:4"]["status"] == "ok"  # the sweep went on after fp8:2
+    assert by["fp8:2"]["status"] == "timeout" and "no result after 1 s" in by["fp8:2"]["error"]
     assert by["fp32:4"]["swap"]["swapped_blocks"] == 6  # kohya: 4 = 2 double + 4 single
     assert by["fp32:4"]["h2d_bytes_per_update"] > 0 and by["fp8:0"]["h2d_bytes_per_update"] == 0
     assert by["fp8:0"]["weight_bytes"] < by["fp32:4"]["weight_bytes"]  # fp8 base weights are smaller
     assert by["fp8:0"]["sec_per_update"]["n"] == 2 and by["fp8:0"]["data"] == "synthetic"
-    assert "error (load)" in r.output and "best: " in r.output
+    assert "timeout (unknown)" in r.output and "best: " in r.output
     assert (out / "bench.csv").read_text().splitlines()[0].startswith("setting,status,s/update median")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_counts_the_model_cannot_have_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench-swap", TINY_FLUX, "--blocks", "0,999,fp32:9", "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert "--blocks: fp8:999, fp32:9: tiny:flux cannot swap that many blocks" in r.output
+    assert "the largest valid number is 8" in r.output and "Traceback" not in r.output
+    assert "running in a fresh process" not in r.output and not out.exists()
+
+
+def test_the_worker_refuses_a_count_too_before_reading_weights() -> None:
+    r = bench.run_setting({"preset": TINY_FLUX, "overrides": [], "precision": "fp8", "blocks": 40, "steps": 1,
+                           "warmup": 0, "resolution": 64, "arch": "preset"})
+    assert (r["status"], r["stage"]) == ("error", "load") and "the largest valid number is" in r["error"]
+
+
+def test_no_setting_finished_is_a_non_zero_exit(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench-swap", TINY_FLUX, "--blocks", "0", "--timeout", "1", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "best: no setting finished" in r.output and "timeout (unknown)" in r.output
+    assert json.loads((out / "bench.json").read_text())["best"]["setting"] is None  # the report is still written
 
 
 @pytest.mark.parametrize("args, option", [(["--steps", "-3"], "--steps"), (["--warmup", "-1"], "--warmup"),

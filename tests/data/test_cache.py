@@ -240,3 +240,54 @@ def test_captions_longer_than_the_encoder_reads_are_named_on_every_run(setup) ->
         warnings = cache.prepare_images(cfg, family, model_dir, "cpu").warnings
         long = [w for w in warnings if "longer than the text encoder reads" in w]
         assert len(long) == 1 and "02_grass.jpg" in long[0] and "of 77 tokens" in long[0], warnings
+
+
+@pytest.mark.parametrize("damage", ['{"format": 2, "latents": [{"image": "/x', '[]', '{"latents": [1], "texts": []}'])
+def test_a_corrupt_manifest_is_named_and_rebuilt_by_verify(setup, damage) -> None:
+    _, overrides, load = setup
+    fill(load)
+    cfg = load()[0]
+    manifest = cache.manifest_path(cfg)
+    good = json.loads(manifest.read_text())
+    manifest.write_text(damage)
+    args = ["cache-latents", str(PRESET)] + [x for o in overrides for x in ("--set", o)]
+    r = CliRunner().invoke(main, args + ["--verify"])
+    assert r.exit_code == 0, r.output
+    assert f"warning: the cache manifest {manifest} is corrupt (" in r.output
+    assert "rebuilt from the current data and models" in r.output and "Traceback" not in r.output
+    assert "6 entries ok, 0 missing, 0 stale, 0 corrupt" in r.output  # every entry checked by its checksum
+    assert json.loads(manifest.read_text()) == good  # rebuilt: what the last fill wrote
+
+
+def test_a_corrupt_manifest_loses_no_entry_and_a_corrupt_entry_is_still_found(setup) -> None:
+    _, overrides, load = setup
+    plan, _ = fill(load)
+    cfg = load()[0]
+    manifest = cache.manifest_path(cfg)
+    manifest.write_bytes(b"\x00" * 40)
+    victim = cache.Cache(cfg.cache.dir).path("latents", plan.latents[0].key)
+    raw = bytearray(victim.read_bytes())
+    raw[-4:] = b"\x00\x01\x02\x03"
+    victim.write_bytes(bytes(raw))
+    args = ["cache-latents", str(PRESET)] + [x for o in overrides for x in ("--set", o)]
+    r = CliRunner().invoke(main, args + ["--verify"])
+    assert r.exit_code == 1 and "5 entries ok, 0 missing, 0 stale, 1 corrupt" in r.output, r.output
+    assert f"the cache manifest {manifest} is corrupt" in r.output
+
+
+def test_fill_names_a_corrupt_manifest_rebuilds_it_and_reencodes_nothing(setup, caplog) -> None:
+    """cache-latents and train fill the cache through fill_cache: the same warning, nothing lost."""
+    _, _, load = setup
+    fill(load)
+    manifest = cache.manifest_path(load()[0])
+    good = json.loads(manifest.read_text())
+    manifest.write_text("{not json")
+    with caplog.at_level("WARNING"):
+        _, stats = fill(load)
+    assert (stats.latents_encoded, stats.texts_encoded, stats.latents_reused, stats.texts_reused) == (0, 0, 3, 3)
+    assert f"the cache manifest {manifest} is corrupt (" in caplog.text and "rebuilt" in caplog.text
+    assert json.loads(manifest.read_text()) == good
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        fill(load)
+    assert "manifest" not in caplog.text  # said once, when it was found

@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from ..source import ModelSource
 
 
+class OptionError(ImgloraError):
+    """A command-line value the command cannot use: a usage error, exit 2 as click's own."""
+
+    exit_code = 2
+
+
 @dataclass(frozen=True)
 class Setting:
     precision: str  # "fp8" or the model dtype ("bf16", "fp16", "fp32")
@@ -45,11 +51,11 @@ def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
         precision, _, number = item.rpartition(":")
         precision = precision or ("fp8" if default_fp8 else "model")
         if precision not in ("fp8", "model", "bf16", "fp16", "fp32") or not number.isdigit():
-            raise ImgloraError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, bf16, fp16 "
+            raise OptionError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, bf16, fp16 "
                                "or fp32 (e.g. 0,9,18 or fp8:18,bf16:0)")
         out.append(Setting(precision, int(number)))
     if not out:
-        raise ImgloraError("--blocks: give at least one setting")
+        raise OptionError("--blocks: give at least one setting")
     return out
 
 
@@ -80,6 +86,7 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
     cfg = load_config(preset, overrides)  # fail fast, before any subprocess
     if any(s.blocks for s in settings) and not supports(family_of(cfg), Swappable):
         raise ImgloraError(f"{preset}: the {cfg.model.family} family has no swappable blocks; use --blocks 0")
+    check_counts(cfg, settings, arch)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(out_dir) if out_dir else Path(cfg.run.output_dir) / f"bench-swap-{cfg.run.name}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +107,48 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
     out(format_table(report))
     out(f"best: {report['best']['text']}")
     out(f"written: {out_dir / 'bench.json'}, bench.csv, bench.png")
+    if not any(r.get("status") == "ok" for r in results):
+        raise ImgloraError(f"no setting finished; each one's output is in its worker.log under {out_dir}")
     return report
+
+
+def check_counts(cfg: Any, settings: list[Setting], arch: str) -> None:
+    """Refuse, before any process starts, swap counts the model cannot have (each would only fail
+    in its worker), naming them and the largest count that works."""
+    from ..family import Swappable, supports
+    from ..plan_budget import valid_swap
+    from .common import family_of
+
+    family = family_of(cfg)
+    if not supports(family, Swappable) or not any(s.blocks for s in settings):
+        return
+    lengths, model = _block_lengths(cfg, family, arch)
+    if lengths is None:
+        return
+    bad = [s.name for s in settings if not valid_swap(family, lengths, cfg, s.blocks)]
+    if bad:
+        largest = max(n for n in range(2 * sum(lengths) + 2) if valid_swap(family, lengths, cfg, n))
+        lists = ", ".join(f"{name}: {n}" for name, n in zip(family.swappable_blocks, lengths))
+        raise OptionError(f"--blocks: {', '.join(bad)}: {model} cannot swap that many blocks (its block lists: "
+                          f"{lists}; counted as kohya does); the largest valid number is {largest}")
+
+
+def _block_lengths(cfg: Any, family: Any, arch: str) -> tuple[list[int] | None, str]:
+    """Blocks per swappable list of the model the settings will run, from its config alone."""
+    from ..family import Plannable
+
+    if arch == "full":  # the family's full-size architecture, as ``imglora plan`` builds it on the meta device
+        from ..family import supports
+
+        if not supports(family, Plannable):
+            return None, ""
+        import torch
+
+        model = family.meta_trainable(None, cfg, torch.bfloat16).model
+        return [len(model.get_submodule(n)) for n in family.swappable_blocks], f"the full-size {family.name} model"
+    from ..models import resolve_model
+
+    return family.block_counts(resolve_model(cfg.model, family)), cfg.model.path
 
 
 def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str, Any]:

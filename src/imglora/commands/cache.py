@@ -32,6 +32,8 @@ def cache_latents(cfg: Config, *, verify: bool, out: Callable[[str], None], warn
         warn(f"warning: {w}")
     if verify:
         report = cache.verify(cfg, family, src, device)
+        if report.manifest:
+            warn(f"warning: {report.manifest}")
         out(f"{report.ok} entries ok, {len(report.missing)} missing, {len(report.stale)} stale, "
             f"{len(report.corrupt)} corrupt")
         for label, rows in (("missing", report.missing), ("stale", report.stale), ("corrupt", report.corrupt)):

@@ -190,6 +190,9 @@ def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "tor
                 bar.update()
         del encoders
         devices.free(device)
+    problem = read_manifest(cfg)[1]
+    if problem:
+        log.warning("%s", problem)
     write_manifest(cfg, the_plan)
     stats.seconds = time.perf_counter() - t0
     return the_plan, stats
@@ -246,12 +249,42 @@ def write_manifest(cfg: "Config", the_plan: CachePlan) -> None:
     })
 
 
+def read_manifest(cfg: "Config") -> tuple[dict[str, Any], str | None]:
+    """The manifest of the last fill (what it cached), and why it could not be read, if so: then
+    it is taken as empty and rebuilt. The entries do not depend on it (each carries its own key and
+    checksum), so a damaged manifest loses nothing but the list of entries that went stale."""
+    path = manifest_path(cfg)
+    empty: dict[str, Any] = {"latents": [], "texts": []}
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return empty, None
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        detail = str(exc)
+    else:
+        if _manifest_ok(manifest):
+            return manifest, None
+        detail = "not a cache manifest: expected latents and texts lists of entries with their keys"
+    return empty, (f"the cache manifest {path} is corrupt ({detail}); rebuilt from the current data and models "
+                   "(every entry is checked by its own checksum, none is lost; entries cached for an older "
+                   "setup can no longer be listed as stale)")
+
+
+def _manifest_ok(manifest: Any) -> bool:
+    if not isinstance(manifest, dict):
+        return False
+    return all(isinstance(manifest.get(kind), list)
+               and all(isinstance(e, dict) and isinstance(e.get("key"), str) and label in e for e in manifest[kind])
+               for kind, label in (("latents", "image"), ("texts", "caption")))
+
+
 @dataclass
 class VerifyReport:
     ok: int = 0
     missing: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
+    manifest: str | None = None  # why the manifest was unreadable (then rebuilt), if it was
 
 
 def verify(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> VerifyReport:
@@ -260,10 +293,13 @@ def verify(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.d
     cache = Cache(cfg.cache.dir)
     current = plan(cfg, family, src, device)
     now_keys = {s.key for s in current.latents} | {s.key for s in current.texts.values()}
-    try:
-        manifest = json.loads(manifest_path(cfg).read_text())
-    except FileNotFoundError:
-        manifest = {"latents": [], "texts": []}
+    manifest, report.manifest = read_manifest(cfg)
+    if report.manifest:
+        try:
+            write_manifest(cfg, current)
+        except OSError as exc:  # a read-only cache can still be verified
+            report.manifest = report.manifest.replace(
+                "rebuilt from", f"not rebuilt ({exc.strerror}); `imglora cache-latents` rebuilds it from")
     for kind, entries, label in (("latents", manifest["latents"], "image"), ("text", manifest["texts"], "caption")):
         for e in entries:  # entries recorded at the last fill that no longer match the data
             what = f"{kind} of {e[label]!r}"

@@ -42,8 +42,9 @@ def vae_folders(family: Any, src: "ModelSource") -> list[Path]:
 def text_folders(family: Any, src: "ModelSource") -> list[Path]:
     """What the text entries' identity hashes: encoders' configs, tokenizers, and weights."""
     parts = [src.root / n for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
-    weights = {p for part in ("text_encoder", "text_encoder_2") for p in _weights_of(src, part)}
-    return parts + sorted(weights)
+    # In part order (a file holding both parts counted once): a key then says which file is which encoder.
+    weights = dict.fromkeys(p for part in ("text_encoder", "text_encoder_2") for p in _weights_of(src, part))
+    return parts + list(weights)
 
 
 def load_vae(family: Any, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:

@@ -106,3 +106,25 @@ def test_found_file_loads(comfy, flux_dir):
     path = find_model_file(comfy, "diffusion_models", "flux1-dev.safetensors")
     got = load_flux_transformer(path, flux_dir, dtype=torch.float32)  # config from the diffusers folder
     assert_same_weights(got, FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer"))
+
+
+@pytest.mark.parametrize("broken, said", [("yaml", "extra_model_paths.yaml is not valid YAML"),
+                                          ("folder", "is not a ComfyUI folder")])
+def test_a_broken_comfyui_folder_is_said_once(comfy, tmp_path, broken, said):
+    """A bare name is looked up in several folder kinds (diffusion_models, then checkpoints); a fault
+    of the ComfyUI folder itself is the same for each and is said once, not once per kind."""
+    from imglora.config import ModelConfig
+    from imglora.families import registry
+    from imglora.models import resolve_model
+
+    root = comfy
+    if broken == "yaml":
+        (comfy / "extra_model_paths.yaml").write_text("shared: [unclosed\n")
+    else:
+        root = tmp_path / "not_comfy"
+        root.mkdir()
+    with pytest.raises(ModelSourceError) as exc:
+        resolve_model(ModelConfig(family="flux", path="flux1-dev.safetensors", comfyui=str(root)), registry.get("flux"))
+    message = str(exc.value)
+    assert message.count(said) == 1 and "\n" not in message, message  # once, on one line
+    assert message.count(str(root)) == 1 if broken == "folder" else message.count("extra_model_paths.yaml") == 1

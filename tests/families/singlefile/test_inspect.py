@@ -81,6 +81,41 @@ def test_a_pickle_named_safetensors_is_refused_by_its_content(tmp_path):
         describe(path)
 
 
+def _run_conversion(message: str) -> None:
+    """Run the command the refusal prints (on a file this test wrote, so it may be unpickled)."""
+    import shlex
+    import subprocess
+    import sys
+
+    argv = shlex.split(message.splitlines()[-1].strip())
+    assert argv[:2] == ["python", "-c"]
+    subprocess.run([sys.executable, *argv[1:]], check=True, capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("name, converted", [("renamed.safetensors", "renamed.converted.safetensors"),
+                                             ("model.ckpt", "model.safetensors")])
+def test_the_conversion_command_writes_a_new_file_and_keeps_the_input(tmp_path, name, converted):
+    path = tmp_path / name
+    torch.save({"state_dict": {"a": torch.arange(3.0)}}, path)
+    before = path.read_bytes()
+    with pytest.raises(ModelSourceError) as exc:
+        describe(path)
+    out = tmp_path / converted
+    assert f"'{out}'" in str(exc.value) and f"'{path}'" in str(exc.value)
+    _run_conversion(str(exc.value))
+    assert path.read_bytes() == before  # the input is never written over
+    assert torch.equal(load_file(out)["a"], torch.arange(3.0))
+
+
+def test_the_conversion_command_never_writes_over_a_file_already_there(tmp_path):
+    path = tmp_path / "model.ckpt"
+    torch.save({"a": torch.zeros(2)}, path)
+    (tmp_path / "model.safetensors").write_bytes(b"someone else's file")
+    with pytest.raises(ModelSourceError) as exc:
+        describe(path)
+    assert f"'{tmp_path / 'model.converted.safetensors'}'" in str(exc.value)
+
+
 def test_truncated_and_foreign_files_name_the_file(files, tmp_path):
     data = files["ae"].read_bytes()
     truncated = tmp_path / "ae_partial.safetensors"
