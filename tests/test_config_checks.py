@@ -185,3 +185,17 @@ def test_settings_that_do_nothing_or_undo_the_training_are_noted() -> None:
     assert len(sets) == 1 and sets[0].startswith("--set data.sets[1].caption_dropout: 1.0 trains every step")
     r = config_cli(SDXL, "data.caption_dropout=1.0")
     assert r.exit_code == 0 and "note: --set data.caption_dropout: 1.0 trains every step" in r.output
+
+
+def test_config_says_which_packages_train_would_refuse_on_this_machine(monkeypatch) -> None:
+    """Packages are the machine's, not the preset's: a note (the preset may be meant for another
+    machine), where `train` refuses before loading anything."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prodigyopt" else real(name, *a))
+    r = config_cli(SDXL, 'train.optimizer="prodigy"', "train.learning_rate=1.0")
+    assert r.exit_code == 0, r.output
+    assert 'note: on this machine train.optimizer = "prodigy" needs prodigyopt: `pip install prodigyopt`; ' \
+           "`imglora train` refuses it here" in r.output
+    assert "note:" not in config_cli(SDXL).output

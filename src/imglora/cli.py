@@ -72,7 +72,14 @@ def config_cmd(preset: str, overrides: tuple[str, ...], keys: bool) -> None:
         for key, default, help_ in config.field_help(registry):
             click.echo(f"{key} = {default}\n    {help_}")
         return
-    click.echo(_load(preset, overrides).to_toml(), nl=False)
+    from .resume import check_dependencies
+
+    cfg = _load(preset, overrides)
+    try:  # what `train` checks next, before any model: packages (and CUDA) this machine lacks
+        check_dependencies(cfg)
+    except ImgloraError as exc:  # a note, not an error: the preset may be meant for another machine
+        click.echo(f"note: on this machine {exc}; `imglora train` refuses it here", err=True)
+    click.echo(cfg.to_toml(), nl=False)
 
 
 @main.command("cache-latents", short_help="Encode latents and text embeddings once into the cache.")
