@@ -1,7 +1,8 @@
 """Checks across fields that hold for every family (each family adds its own through the catalog).
 
 Each problem names the key where it can be fixed (``where(dotted)`` adds the file or ``--set``) and
-says what to do; the loader reports them all at once.
+says what to do; the loader reports them all at once. Settings that are valid but do nothing as set
+are ``notes`` instead (the loader adds them to ``cfg.notes``, which the commands print).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
         problems.append(f"{where('train.ema')}: a schedule-free optimizer already averages its iterates (its eval "
                         "weights are what is saved); train.ema on top is not supported")
     if m.offload_checkpoints and not m.gradient_checkpointing:
-        # An error, not a note: the memory it promises (and `imglora plan` counts) would not be saved.
+        # An error, not a note: the memory it promises would not be saved, and a run sized for it may not fit.
         problems.append(f"{where('memory.offload_checkpoints')}: moves what gradient checkpointing keeps to host "
                         "memory, and memory.gradient_checkpointing = false keeps nothing, so it would save no "
                         "memory; set memory.gradient_checkpointing = true, or memory.offload_checkpoints = false")
