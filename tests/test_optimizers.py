@@ -167,3 +167,70 @@ def test_run_resumes_bit_for_bit(small_run, name, args) -> None:
     again = load_file(str(run / "adapter" / ADAPTER_FILE))
     assert final.keys() == again.keys()
     assert all(torch.equal(final[k], again[k]) for k in final), f"{name}: resumed adapter differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# A dotted path: only trusted modules are imported, and only an Optimizer subclass is ever called
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def own_module(tmp_path: Path, monkeypatch):
+    """A module of the user's on sys.path that leaves a file behind when it is imported, and one when
+    its function is called."""
+    import sys
+
+    (tmp_path / "my_optim.py").write_text(
+        "import pathlib, torch\n"
+        f"pathlib.Path({str(tmp_path / 'imported')!r}).touch()\n"
+        "class Fancy(torch.optim.SGD):\n    pass\n"
+        f"def not_an_optimizer(*a, **k):\n    pathlib.Path({str(tmp_path / 'called')!r}).touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("my_optim", None)
+
+
+def test_a_module_outside_the_optimizer_packages_is_refused_before_it_is_imported(own_module) -> None:
+    for name in ("my_optim.Fancy", "os.system", "this.s"):
+        with pytest.raises(ConfigError) as exc:
+            load_config(PRESET, [f'train.optimizer="{name}"'])
+        module = name.split(".")[0]
+        assert exc.value.problems == [
+            f'--set train.optimizer: train.optimizer = "{name}": {module} is not one of the optimizer modules imglora '
+            "imports on its own (torch, bitsandbytes, prodigyopt, schedulefree, transformers.optimization), and "
+            "importing a module runs its code; for your own optimizer class, set train.optimizer_allow_any = true"]
+    assert not (own_module / "imported").exists()
+    # Not through make() either, with a configuration built without the checks.
+    unchecked = load_config(PRESET).replace(train={"optimizer": "my_optim.Fancy"})
+    with pytest.raises(ImgloraError, match="set train.optimizer_allow_any = true"):
+        optimizers.make(unchecked, params())
+    assert not (own_module / "imported").exists()
+
+
+def test_with_the_opt_in_the_module_is_imported_and_must_give_an_optimizer_class(own_module) -> None:
+    cfg = load_config(PRESET, ['train.optimizer="my_optim.Fancy"', "train.optimizer_allow_any=true"])
+    assert (own_module / "imported").exists()
+    opt = optimizers.make(cfg, params())
+    assert type(opt).__name__ == "Fancy" and isinstance(opt, torch.optim.SGD)
+    for name, what in (("my_optim.not_an_optimizer", "a function"), ("os.system", "a builtin_function_or_method")):
+        with pytest.raises(ConfigError) as exc:
+            load_config(PRESET, [f'train.optimizer="{name}"', "train.optimizer_allow_any=true"])
+        assert exc.value.problems == [f'--set train.optimizer: train.optimizer = "{name}": {name} is {what}, not a '
+                                      "torch.optim.Optimizer subclass; name an optimizer class"]
+        unchecked = cfg.replace(train={"optimizer": name})
+        with pytest.raises(ImgloraError, match="not a torch.optim.Optimizer subclass"):
+            optimizers.make(unchecked, params())  # refused before it is called
+    assert not (own_module / "called").exists()
+
+
+def test_a_trusted_module_is_checked_for_an_optimizer_class_at_config_time() -> None:
+    cases = {"torch.save": "torch.save is a function, not a torch.optim.Optimizer subclass",
+             "torch.nn.Linear": "torch.nn.Linear is the class Linear, not a torch.optim.Optimizer subclass",
+             "torch.optim.Nope": "torch.optim has no Nope", "torch.nope.Foo": "there is no module torch.nope"}
+    for name, why in cases.items():
+        with pytest.raises(ConfigError) as exc:
+            load_config(PRESET, [f'train.optimizer="{name}"'])
+        assert exc.value.problems == [f'--set train.optimizer: train.optimizer = "{name}": {why}' +
+                                      ("; name an optimizer class" if "subclass" in why else "")]
+    assert type(optimizers.make(load_config(PRESET, ['train.optimizer="torch.optim.RAdam"']), params())) \
+        is torch.optim.RAdam

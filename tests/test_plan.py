@@ -143,3 +143,20 @@ def test_the_prediction_holds_on_a_real_width_architecture(tmp_path: Path) -> No
     rows = json.loads(out.read_text())
     assert {x["setting"] for x in rows} == {"fp8:0", "fp8:2"}
     assert all(0.9 <= x["ratio"] <= 1.1 for x in rows) and all(x["measured"] > 800 * 2**20 for x in rows)
+
+
+@pytest.mark.parametrize("command, option, value", [
+    ("plan", "--vram", "0GB"), ("plan", "--vram", "-5GB"), ("plan", "--host-ram", "0MB"), ("plan", "--vram", "nanGB"),
+    ("plan", "--vram", "infGB"), ("bench-swap", "--vram-budget", "-1GB"), ("bench-swap", "--vram-budget", "0GiB")])
+def test_a_size_of_zero_or_less_exits_2_naming_the_option_and_value(command: str, option: str, value: str) -> None:
+    """Zero used to mean "no budget" and a negative size "nothing fits"; both are typing slips."""
+    r = CliRunner().invoke(main, [command, str(REPO / "presets" / "tiny-sdxl.toml"), option, value])
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}': '{value}': a size must be a finite number greater than 0, such as 24GB " \
+           "(leave the option out for no limit)" in r.output
+    assert "Traceback" not in r.output
+    from imglora.commands.bench import parse_size
+
+    with pytest.raises(ImgloraError, match=f"^{option} '{value}': a size must be"):
+        parse_size(value, option)
+    assert parse_size("0.5GB", option) == 2**29

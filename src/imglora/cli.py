@@ -72,7 +72,14 @@ def config_cmd(preset: str, overrides: tuple[str, ...], keys: bool) -> None:
         for key, default, help_ in config.field_help(registry):
             click.echo(f"{key} = {default}\n    {help_}")
         return
-    click.echo(_load(preset, overrides).to_toml(), nl=False)
+    from .resume import check_dependencies
+
+    cfg = _load(preset, overrides)
+    try:  # what `train` checks next, before any model: packages (and CUDA) this machine lacks
+        check_dependencies(cfg)
+    except ImgloraError as exc:  # a note, not an error: the preset may be meant for another machine
+        click.echo(f"note: on this machine {exc}; `imglora train` refuses it here", err=True)
+    click.echo(cfg.to_toml(), nl=False)
 
 
 @main.command("cache-latents", short_help="Encode latents and text embeddings once into the cache.")
@@ -150,6 +157,26 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
     click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
 
 
+class _Size(click.ParamType):
+    """A memory size such as 24GB, read as ``bench.parse_size`` reads it: zero, a negative or an
+    unreadable size exits 2 naming the option and the value, before the preset is read."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from .commands.bench import parse_size
+
+        option = param.opts[0] if param is not None else "size"
+        try:
+            parse_size(value, option)
+        except ImgloraError as exc:
+            self.fail(str(exc).removeprefix(f"{option} "), param, ctx)
+        return value
+
+
+SIZE = _Size()
+
+
 @main.command("bench-swap", short_help="Measure s/update and peak memory per block-swap setting.")
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
@@ -160,7 +187,7 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
               help="Measured optimizer updates per setting.")
 @click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="Updates before measuring.")
 @click.option("--resolution", type=click.IntRange(min=16), help="Square training resolution (default: the preset's).")
-@click.option("--vram-budget", help="Name the fastest setting whose peak reserved memory fits, e.g. 24GB.")
+@click.option("--vram-budget", type=SIZE, help="Name the fastest setting whose peak reserved memory fits, e.g. 24GB.")
 @click.option("--arch", type=click.Choice(["preset", "full"]), default="preset", show_default=True,
               help="full: the family's full-size architecture with random weights (no download).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Folder for bench.json/csv/png.")
@@ -187,8 +214,8 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
 @click.option("--blocks", help="Settings to plan, as bench-swap takes them (e.g. fp8:0,fp8:18,bf16:0); default: the "
                                "preset's own, fp8 with 0/9/18/27 swapped blocks, and the model dtype unswapped.")
 @click.option("--resolution", type=click.IntRange(min=16), help="Square training resolution (default: the preset's).")
-@click.option("--vram", help="GPU memory to fit in, e.g. 24GB: names the fastest setting that fits.")
-@click.option("--host-ram", help="Host RAM to fit in, e.g. 32GB.")
+@click.option("--vram", type=SIZE, help="GPU memory to fit in, e.g. 24GB: names the fastest setting that fits.")
+@click.option("--host-ram", type=SIZE, help="Host RAM to fit in, e.g. 32GB.")
 @click.option("--bench", "bench_file", type=click.Path(dir_okay=False),
               help="A bench-swap result (bench.json): rank settings by their measured seconds per update.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,

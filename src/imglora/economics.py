@@ -19,6 +19,14 @@ from typing import Any
 from .errors import ImgloraError
 
 HOURS_PER_MONTH = 730.0
+WARMUP_UPDATES = 3  # excluded from steady-state timing (allocator warm-up, first-call compilation)
+
+
+def projection_update(smoke_steps: int, log_every: int) -> int:
+    """The update at which training projects the session (the budget guard's one check): the first
+    log (every ``log_every`` updates) once warm-up and ``smoke_steps`` measured updates have run. A
+    run that ends at or before it is never projected."""
+    return math.ceil((WARMUP_UPDATES + smoke_steps) / log_every) * log_every
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -32,6 +31,7 @@ from . import adapter_forms as af
 from . import atomic
 from . import comfyui as comfy
 from .checkpoint import EMA_DIR, list_checkpoints
+from .config.checks import PLAIN_NAME_RULE, export_stem, is_plain_name
 from .devices import DTYPES
 from .errors import ImgloraError
 from .record import read_records
@@ -100,7 +100,9 @@ def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *
         raise ImgloraError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if fmt not in family.export_formats:
         raise ImgloraError(f"--format {fmt}: the {cfg.model.family} family exports {', '.join(family.export_formats)}")
-    name = export_name(name or cfg.export.name or cfg.run.name or run_dir.name)
+    given = ((name, "--name"), (cfg.export.name, "export.name"), (cfg.run.name, "run.name"),
+             (run_dir.name, "the run folder's name"))
+    name = export_name(*next(((n, k) for n, k in given if n), ("", "--name")))
     if comfyui is None and out is None and cfg.export.comfyui_dir:
         comfyui = Path(cfg.export.comfyui_dir)
     dest = destination(run_dir, name, comfyui, out)
@@ -187,16 +189,12 @@ def weights_folder(weights: str, config: dict[str, Any], run_dir: Path) -> str:
     return EMA_DIR if weights == "ema" else "adapter"
 
 
-_BAD_NAME = re.compile(r'[<>:"/\\|?*\x00-\x1f]')
-
-
-def export_name(name: str) -> str:
-    """A file name ComfyUI lists on every OS: no folders, no characters Windows refuses."""
-    name = name.strip()
-    if name.endswith(".safetensors"):
-        name = name[: -len(".safetensors")]
-    if not name or name.startswith(".") or _BAD_NAME.search(name):
-        raise ImgloraError(f"--name {name!r}: use a plain file name without folders or any of <>:\"/\\|?*")
+def export_name(name: str, setting: str = "--name") -> str:
+    """A file name ComfyUI lists on every OS: no folders, no characters Windows refuses (the rule the
+    config checks export.name and run.name with). ``setting`` names where the name came from."""
+    name = export_stem(name)
+    if not is_plain_name(name):
+        raise ImgloraError(f"{setting} {name!r}: {PLAIN_NAME_RULE}")
     return name
 
 

@@ -8,6 +8,12 @@ and override those. A name that is none of these, or an argument the class does 
 config error; a package that is not installed is one error naming its ``pip install``, before
 anything is loaded.
 
+Naming a class imports its module, and importing runs the module's code (``this`` prints a poem,
+any installed package may do anything). So a dotted path is taken only inside ``TRUSTED`` (torch
+and the optimizer packages above) unless ``train.optimizer_allow_any = true``; the module is then
+imported when the config is checked, and what the name gives must be a ``torch.optim.Optimizer``
+subclass (``issubclass``) before it is ever called.
+
 Optimizers with a train and an eval mode (schedule-free: the weights it steps are not the weights
 to use, ``optimizer.eval()`` gives those) are switched by the training loop wherever weights are
 saved or evaluated (``loop.eval_weights``), and the weights it steps are saved for resuming.
@@ -50,6 +56,15 @@ KNOWN: dict[str, Known] = {
 }
 
 
+# Modules a dotted train.optimizer may name without train.optimizer_allow_any (and their submodules).
+TRUSTED = ("torch", "bitsandbytes", "prodigyopt", "schedulefree", "transformers.optimization")
+ALLOW_ANY = "train.optimizer_allow_any"
+
+
+def trusted(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in TRUSTED)
+
+
 @dataclass(frozen=True)
 class Resolved:
     name: str
@@ -68,16 +83,38 @@ class Resolved:
         except (ImportError, ValueError):
             return False
 
-    def load(self) -> type:
+    def refusal(self, allow_any: bool) -> str | None:
+        """Why this name may not even be imported, or None: a module outside ``TRUSTED`` without
+        the opt-in (checked before importing: importing already runs the module's code)."""
+        if allow_any or trusted(self.module):
+            return None
+        return (f'train.optimizer = "{self.name}": {self.module} is not one of the optimizer modules imglora '
+                f"imports on its own ({', '.join(TRUSTED)}), and importing a module runs its code; for your "
+                f"own optimizer class, set {ALLOW_ANY} = true")
+
+    def load(self, allow_any: bool = False) -> type:
+        """The optimizer class, imported: refused before importing when ``refusal`` says so, and
+        after it unless it is a ``torch.optim.Optimizer`` subclass (nothing is called before)."""
+        if why := self.refusal(allow_any):
+            raise ImgloraError(why)
+        top, attr = self.module.split(".")[0], self.path.rpartition(".")[2]
         try:
-            cls = getattr(importlib.import_module(self.module), self.path.rpartition(".")[2])
-        except ImportError:
-            raise ImgloraError(f'train.optimizer = "{self.name}" needs {self.pip or self.module.split(".")[0]}: '
-                               f"`pip install {self.pip or self.module.split('.')[0]}`") from None
+            obj = getattr(importlib.import_module(self.module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name != top and importlib.util.find_spec(top) is not None:
+                raise ImgloraError(f'train.optimizer = "{self.name}": there is no module {exc.name}') from None
+            raise ImgloraError(f'train.optimizer = "{self.name}" needs {self.pip or top}: '
+                               f"`pip install {self.pip or top}`") from None
         except AttributeError:
-            raise ImgloraError(f'train.optimizer = "{self.name}": {self.module} has no '
-                               f"{self.path.rpartition('.')[2]}") from None
-        return cls
+            raise ImgloraError(f'train.optimizer = "{self.name}": {self.module} has no {attr}') from None
+        except Exception as exc:  # noqa: BLE001 - importing someone's module (allowed by the opt-in) failed
+            raise ImgloraError(f'train.optimizer = "{self.name}": importing {self.module} failed: '
+                               f"{type(exc).__name__}: {exc}") from None
+        if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+            what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+            raise ImgloraError(f'train.optimizer = "{self.name}": {self.path} is {what}, not a '
+                               "torch.optim.Optimizer subclass; name an optimizer class")
+        return obj
 
 
 def _torch_optimizers() -> dict[str, str]:
@@ -127,20 +164,26 @@ def _parameters(cls: type) -> set[str] | None:
 
 
 def check(cfg: "Config", where: Any, problems: list[str]) -> None:
-    """Config checks: the name resolves; ``optimizer_args`` are arguments the class takes (checked
-    when its package is installed; a missing package is reported when training starts)."""
+    """Config checks: the name resolves; a dotted path is in a trusted module (or allowed) and names
+    an optimizer class; ``optimizer_args`` are arguments the class takes. A known optimizer's class
+    is imported only to check arguments, and only when its package is installed (a missing package
+    is reported when training starts)."""
     t = cfg.train
     r = resolve(t.optimizer)
     if isinstance(r, str):
         problems.append(f"{where('train.optimizer')}: {r}")
         return
+    if why := r.refusal(t.optimizer_allow_any):
+        problems.append(f"{where('train.optimizer')}: {why}")
+        return
     if "lr" in t.optimizer_args:
         problems.append(f"{where('train.optimizer_args')}: lr: set train.learning_rate instead (the schedule "
                         "scales it)")
-    if not t.optimizer_args or not r.installed():
+    dotted = r.path == r.name  # a path the user wrote: what it names is known only once imported
+    if not (t.optimizer_args or dotted) or not r.installed():
         return
     try:
-        cls = r.load()
+        cls = r.load(t.optimizer_allow_any)
     except ImgloraError as exc:
         problems.append(f"{where('train.optimizer')}: {exc}")
         return
@@ -167,15 +210,13 @@ def make(cfg: "Config", params: list[Any]) -> torch.optim.Optimizer:
     r = resolve(cfg.train.optimizer)
     if isinstance(r, str):
         raise ImgloraError(f"train.optimizer: {r}")
-    cls = r.load()
+    cls = r.load(cfg.train.optimizer_allow_any)  # an Optimizer subclass, checked before it is called
     kwargs = keyword_arguments(cfg, r, cls)
     try:
         optimizer = cls(params, **kwargs)
     except (TypeError, ValueError) as exc:
         raise ImgloraError(f"train.optimizer = \"{cfg.train.optimizer}\" ({r.path}) refused its arguments "
                            f"{sorted(kwargs)}: {exc}") from None
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ImgloraError(f"train.optimizer = \"{cfg.train.optimizer}\": {r.path} is not a torch.optim.Optimizer")
     if has_modes(optimizer):
         optimizer.train()  # schedule-free: steps only in train mode
     return optimizer

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .family import Family
 
-WARMUP_UPDATES = 3  # excluded from steady-state timing (allocator warm-up, first-call compilation)
+WARMUP_UPDATES = economics.WARMUP_UPDATES  # excluded from steady-state timing
 
 
 class NonFiniteLoss(ImgloraError):

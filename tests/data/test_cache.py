@@ -189,12 +189,16 @@ def test_bucket_geometry_the_model_cannot_take_is_refused_before_encoding(setup)
     from imglora.errors import ConfigError
 
     _, overrides, _ = setup
-    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.bucket_step=8"])
-    with pytest.raises(ConfigError, match="data.bucket_step = 8 must be a multiple of 16 for the flux family"):
-        cache.scan(cfg, get_family("flux"))
-    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*overrides, "data.buckets=false", "data.resolution=200"])
-    with pytest.raises(ConfigError, match="data.resolution = 200 must be a multiple of 16 with data.buckets = false"):
-        cache.scan(cfg, get_family("flux"))
+    preset = REPO / "presets" / "tiny-flux.toml"
+    with pytest.raises(ConfigError, match="--set data.bucket_step: 8 must be a multiple of 16 for the flux family"):
+        load_config(preset, [*overrides, "data.bucket_step=8"])  # the config refuses it (as `imglora config` does)
+    # A configuration built without the loader is refused by the scan, with the same check.
+    cfg = load_config(preset, overrides)
+    with pytest.raises(ConfigError, match=r"tiny-flux.toml: data.bucket_step: 8 must be a multiple of 16 for the flux"):
+        cache.scan(cfg.replace(data={"bucket_step": 8}), get_family("flux"))
+    unbucketed = cfg.replace(data={"buckets": False, "resolution": 200})
+    with pytest.raises(ConfigError, match="data.resolution: 200 must be a multiple of 16 with data.buckets = false"):
+        cache.scan(unbucketed, get_family("flux"))
 
 
 def test_non_finite_encodings_are_never_cached(setup, monkeypatch) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
 
 
 def parse_size(text: str | None, option: str = "--vram-budget") -> int | None:
+    """Bytes of a size such as 24GB (None: not given). Zero or less is refused, not read as "no
+    budget" or "nothing fits": leave the option out for no budget."""
     if not text:
         return None
     units = {"tb": 2**40, "gb": 2**30, "gib": 2**30, "mb": 2**20, "mib": 2**20}
@@ -67,9 +70,13 @@ def parse_size(text: str | None, option: str = "--vram-budget") -> int | None:
     for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(suffix):
             try:
-                return int(float(t[: -len(suffix)]) * mult)
+                number = float(t[: -len(suffix)])
             except ValueError:
                 break
+            if not math.isfinite(number) or int(number * mult) <= 0:
+                raise ImgloraError(f"{option} {text!r}: a size must be a finite number greater than 0, such as 24GB "
+                                   "(leave the option out for no limit)")
+            return int(number * mult)
     raise ImgloraError(f"{option} {text!r}: expected a size such as 24GB or 80GiB")
 
 

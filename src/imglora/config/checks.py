@@ -1,14 +1,18 @@
 """Checks across fields that hold for every family (each family adds its own through the catalog).
 
 Each problem names the key where it can be fixed (``where(dotted)`` adds the file or ``--set``) and
-says what to do; the loader reports them all at once.
+says what to do; the loader reports them all at once. Settings that are valid but do nothing as set
+are ``notes`` instead (the loader adds them to ``cfg.notes``, which the commands print).
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Callable
 
-from .schema import Config, DataConfig
+from .. import economics
+from .schema import BudgetConfig, Config, DataConfig
 
 Where = Callable[[str], str]
 
@@ -37,7 +41,82 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     if t.ema and optimizers.is_schedule_free(t.optimizer):
         problems.append(f"{where('train.ema')}: a schedule-free optimizer already averages its iterates (its eval "
                         "weights are what is saved); train.ema on top is not supported")
+    if m.offload_checkpoints and not m.gradient_checkpointing:
+        # An error, not a note: the memory it promises would not be saved, and a run sized for it may not fit.
+        problems.append(f"{where('memory.offload_checkpoints')}: moves what gradient checkpointing keeps to host "
+                        "memory, and memory.gradient_checkpointing = false keeps nothing, so it would save no "
+                        "memory; set memory.gradient_checkpointing = true, or memory.offload_checkpoints = false")
+    _budget_checks(cfg, where, problems)
     data_checks(d, where, problems)
+    holdout_checks(cfg, where, problems)
+    _name_checks(cfg, where, problems)
+
+
+def _budget_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    """A budget limit is checked once, when the session is projected: a run that ends first is never
+    checked. That is an error (the guard asked for would not act), not a note."""
+    t, b = cfg.train, cfg.train.budget
+    limits = [k for k in ("max_cost", "max_hours") if getattr(b, k)]
+    at = economics.projection_update(b.smoke_steps, t.log_every)
+    if not limits or not t.max_steps or at < t.max_steps:
+        return
+    fits = (t.max_steps - 1) // t.log_every * t.log_every - economics.WARMUP_UPDATES  # largest smoke_steps that fits
+    fix = (f"lower train.budget.smoke_steps to at most {fits}" if fits >= 1 else
+           "raise train.max_steps or lower train.log_every, or drop the budget for so short a run")
+    problems.append(f"{where(f'train.budget.{limits[0]}')}: the budget guard checks it once, when it projects the "
+                    f"session at update {at} ({economics.WARMUP_UPDATES} warm-up + train.budget.smoke_steps = "
+                    f"{b.smoke_steps} measured updates, at a log: train.log_every = {t.log_every}), but "
+                    f"train.max_steps = {t.max_steps} ends the run first, so it would never act; {fix}")
+
+
+def notes(cfg: Config, where: Where) -> list[str]:
+    """Settings that are valid but do nothing, or undo the training, as set: said to the user (as
+    ``cfg.notes``), not refused, since each can be meant (a machine's base preset, an experiment)."""
+    t, m, out = cfg.train, cfg.memory, []
+    if m.ema_on_cpu and not t.ema:
+        out.append(f"{where('memory.ema_on_cpu')}: does nothing without train.ema = true (there is no moving "
+                   "average to keep in host memory)")
+    b = t.budget
+    at = economics.projection_update(b.smoke_steps, t.log_every)
+    if t.max_steps and at >= t.max_steps and b.smoke_steps != BudgetConfig().smoke_steps:  # a limit: an error
+        out.append(f"{where('train.budget.smoke_steps')}: {b.smoke_steps} measured updates (after "
+                   f"{economics.WARMUP_UPDATES} warm-up ones) end at update {at}, and train.max_steps = "
+                   f"{t.max_steps}: this run is never projected (no session time or cost is printed)")
+    for i, s in enumerate(cfg.data.all_sets):
+        if s.caption_dropout == 1.0:
+            trigger = f" and the trigger word {s.trigger_word!r}" if s.trigger_word else ""
+            out.append(f"{where(set_key(cfg.data, i, 'caption_dropout'))}: 1.0 trains every step on the empty "
+                       f"caption, so the captions{trigger} are never learned; a small rate such as 0.05 keeps "
+                       "the adapter working without its prompt")
+    return out
+
+
+# A name that stays in its folder and that ComfyUI lists on every OS: no folders, nothing Windows refuses.
+_NOT_IN_A_NAME = re.compile(r'[<>:"/\\|?*\x00-\x1f]')
+PLAIN_NAME_RULE = 'use a plain file name without folders or any of <>:"/\\|?*'
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether ``name`` is one plain file name: not empty, no folder part (``..``, ``/``, ``\\``), not
+    hidden, nothing Windows refuses. ``export --name``, ``export.name`` and ``run.name`` share it."""
+    return bool(name) and not name.startswith(".") and not _NOT_IN_A_NAME.search(name)
+
+
+def export_stem(name: str) -> str:
+    """An export name as written, without spaces around it or the ``.safetensors`` it may end in."""
+    name = name.strip()
+    return name[: -len(".safetensors")] if name.endswith(".safetensors") else name
+
+
+def _name_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    """run.name is a folder under run.output_dir and export.name a file in the export folder: a name
+    with a folder part (``../../x``) would write outside them."""
+    if not is_plain_name(cfg.run.name):
+        problems.append(f"{where('run.name')}: {cfg.run.name!r} is not a plain name: {PLAIN_NAME_RULE} (the run "
+                        "folder is run.output_dir/run.name; choose the parent folder with run.output_dir)")
+    if cfg.export.name and not is_plain_name(export_stem(cfg.export.name)):
+        problems.append(f"{where('export.name')}: {cfg.export.name!r} is not a plain name: {PLAIN_NAME_RULE} (choose "
+                        "the folder with export.comfyui_dir or `imglora export --out`)")
 
 
 def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
@@ -61,6 +140,35 @@ def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
 def set_key(data: DataConfig, index: int, key: str) -> str:
     """The dotted key of a per-set setting: ``data.sets[1].key``, or ``data.key`` for the one set."""
     return f"data.sets[{index}].{key}" if data.sets else f"data.{key}"
+
+
+def bucket_checks(d: DataConfig, step: int, family: str, where: Where, problems: list[str]) -> None:
+    """Bucket sides the model cannot take (e.g. an odd FLUX latent): ``step`` is the family's bucket
+    step, the multiple every side of its images must be. The config checks it (the family's check
+    passes its step) and so does the data scan, before any encoder runs."""
+    side = d.bucket_step or step
+    if side % step:
+        near = max(step, round(side / step) * step)
+        problems.append(f"{where('data.bucket_step')}: {side} must be a multiple of {step} for the {family} "
+                        f"family (e.g. {near}, or 0 for the family's {step})")
+        side = step
+    for i, s in enumerate(d.all_sets):
+        if not d.buckets and s.resolution % side:
+            problems.append(f"{where(set_key(d, i, 'resolution'))}: {s.resolution} must be a multiple of {side} "
+                            "with data.buckets = false")
+
+
+def holdout_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    """eval.holdout_dir's images are never trained on, so it cannot lie inside a set's folder (whose
+    scan would train on them). Paths only: the folders need not exist yet."""
+    if not cfg.eval.holdout_dir:
+        return
+    held = Path(cfg.eval.holdout_dir).resolve()
+    for i, s in enumerate(cfg.data.all_sets):
+        if s.dir and (held == Path(s.dir).resolve() or Path(s.dir).resolve() in held.parents):
+            key = set_key(cfg.data, i, "dir")
+            problems.append(f"{where('eval.holdout_dir')}: {cfg.eval.holdout_dir!r} is inside {key} = {s.dir!r}; "
+                            f"move the held-out images to a folder of their own, next to {key}")
 
 
 def data_checks(d: DataConfig, where: Where, problems: list[str]) -> None:

@@ -33,6 +33,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from ..errors import ConfigError
 from .checks import cross_checks
+from .checks import notes as config_notes
 from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config, list_item_class
 
 Where = Callable[[str], str]
@@ -159,7 +160,7 @@ def parse_override_value(text: str) -> Any:
         return text
 
 
-_INDEXED = re.compile(r"(\w+)\[(\d+)\]\Z")
+_INDEXED = re.compile(r"(\w+)\[([^\]]*)\]\Z")  # sets[1]; also sets[x] and sets[-1], refused by _index
 
 
 def _apply_override(raw: dict[str, Any], item: str, problems: list[str], origin: dict[str, str]) -> None:
@@ -169,23 +170,43 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str], origin:
         problems.append(f"--set {item}: expected section.key=value, e.g. --set train.max_steps=100")
         return
     *tables, name = key.split(".")
+    whole_item = bool(_INDEXED.match(name))  # data.sets[0]=...: the index is checked, then refused
+    if whole_item:
+        tables.append(name)
     table = raw
     for depth, part in enumerate(tables):
         indexed = _INDEXED.match(part)  # data.sets[1].repeats: the second [[data.sets]] table
         table = table.setdefault(indexed[1] if indexed else part, [] if indexed else {})
         if indexed:
-            i = int(indexed[2])
-            if not isinstance(table, list) or i >= len(table):
-                n = len(table) if isinstance(table, list) else 0
-                problems.append(f"--set {key}: there is no {part} (the preset has {n} [[{'.'.join(tables[:depth])}"
-                                f"{'.' if depth else ''}{indexed[1]}]] table{'s' if n != 1 else ''}; counted from 0)")
+            i = _index(key, part, indexed[2], table, ".".join([*tables[:depth], indexed[1]]), problems)
+            if i is None:
                 return
             table = table[i]
         if not isinstance(table, dict):
             problems.append(f"--set {key}: {'.'.join(tables[:depth + 1])} is not a table")
             return
+    if whole_item:
+        problems.append(f"--set {key}: that is a whole table; set one of its keys, e.g. --set {key}.repeats=2")
+        return
     table[name] = parse_override_value(value.strip())
     origin[key] = "--set"
+
+
+def _index(key: str, part: str, text: str, items: Any, dotted: str, problems: list[str]) -> int | None:
+    """The item ``text`` names in the list of tables ``dotted`` (counted from 0, as TOML lists them),
+    or None with a problem that says which indices there are."""
+    n = len(items) if isinstance(items, list) else 0
+    has = f"the preset has {n} [[{dotted}]] table{'s' if n != 1 else ''}"
+    if not n:
+        problems.append(f"--set {key}: there is no {part} ({has}; add [[{dotted}]] tables to the preset first)")
+        return None
+    if not (text.strip().isascii() and text.strip().isdigit()):
+        problems.append(f"--set {key}: {part}: the index must be an integer 0…{n - 1} ({has}; counted from 0)")
+        return None
+    if int(text) >= n:
+        problems.append(f"--set {key}: there is no {part} ({has}; the index must be 0…{n - 1})")
+        return None
+    return int(text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +310,7 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
                  notes=tuple(notes), **sections)
     cross_checks(cfg, where, problems)
     families.check(cfg, where, problems)
-    return cfg
+    return dataclasses.replace(cfg, notes=(*cfg.notes, *config_notes(cfg, where)))
 
 
 _LAST_PART = re.compile(r"(\[\d+\]|\.[^.\[\]]*)$")  # ".key" or "[3]" at the end of a dotted key

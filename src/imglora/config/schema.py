@@ -254,7 +254,13 @@ class TrainConfig:
     optimizer: str = setting(
         "adamw", help="adamw (torch), adafactor (transformers), adamw8bit, paged_adamw8bit, lion8bit (bitsandbytes), "
                       "prodigy (prodigyopt: learning_rate 1.0), schedulefree_adamw (schedulefree), any torch.optim "
-                      "class (SGD, RAdam, ...), or a dotted path to an optimizer class.")
+                      "class (SGD, RAdam, ...), or a dotted path to a torch.optim.Optimizer subclass in torch, "
+                      "bitsandbytes, prodigyopt, schedulefree or transformers.optimization (any other module: "
+                      "train.optimizer_allow_any).")
+    optimizer_allow_any: bool = setting(
+        False, help="Let train.optimizer be a dotted path into any installed module (your own optimizer). Checking "
+                    "the config then imports that module, which runs its code: set it only for code you trust. "
+                    "The name must still be a torch.optim.Optimizer subclass.", resume_safe=True)
     optimizer_args: dict[str, Any] = setting(
         {}, help="Keyword arguments for the optimizer, passed through as given and overriding adam_*/weight_decay, "
                  "e.g. {d_coef = 2, safeguard_warmup = true} for prodigy.")

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import set_names
-from ..errors import ConfigError, DataError, ImgloraError
+from ..config.checks import bucket_checks, holdout_checks
+from ..errors import ConfigError, DataError
 from .batches import reg_per_epoch
 from .captions import keep_tokens_warning
 from .dataset import DatasetItem, ScanResult, _first, dataset_version, scan_dataset
@@ -44,12 +45,6 @@ def scan(cfg: "Config", family: "Family") -> ScanResult:
         raise DataError(problems)
     if not cfg.eval.holdout_dir:
         return scan_result(tuple(items), tuple(warnings))
-    held_root = Path(cfg.eval.holdout_dir).resolve()
-    for i, s in enumerate(sets):
-        if held_root == Path(s.dir).resolve() or Path(s.dir).resolve() in held_root.parents:
-            key = f"data.sets[{i}].dir" if d.sets else "data.dir"
-            raise ImgloraError(f"eval.holdout_dir = {cfg.eval.holdout_dir!r} is inside {key} = {s.dir!r}; "
-                               f"move the held-out images to a folder of their own, next to {key}")
     first = next(i for i, s in enumerate(sets) if not s.regularization)  # scored as this set's images
     extra = _scan(cfg, family, replace(sets[first], dir=cfg.eval.holdout_dir, repeats=1, mask_dir="",
                                        alpha_mask=False))
@@ -153,17 +148,11 @@ def split_holdout(cfg: "Config", scanned: ScanResult) -> tuple[ScanResult, ScanR
 
 
 def _check_geometry(cfg: "Config", family: "Family") -> None:
-    """Bucket sides the model cannot take (e.g. an odd FLUX latent) fail here, before any encoder runs."""
-    d, step = cfg.data, family.bucket_step
-    problems = []
-    if d.bucket_step and d.bucket_step % step:
-        problems.append(f"{cfg.source}: data.bucket_step = {d.bucket_step} must be a multiple of {step} for the "
-                        f"{family.name} family")
-    for i, s in enumerate(d.all_sets):
-        if not d.buckets and s.resolution % (d.bucket_step or step):
-            key = f"data.sets[{i}].resolution" if d.sets else "data.resolution"
-            problems.append(f"{cfg.source}: {key} = {s.resolution} must be a multiple of "
-                            f"{d.bucket_step or step} with data.buckets = false")
+    """The config's bucket and holdout-folder checks again, for a configuration built without the
+    loader (``replace``): bucket sides the model cannot take fail here, before any encoder runs."""
+    problems: list[str] = []
+    bucket_checks(cfg.data, family.bucket_step, family.name, lambda key: f"{cfg.source}: {key}", problems)
+    holdout_checks(cfg, lambda key: f"{cfg.source}: {key}", problems)
     if problems:
         raise ConfigError(problems, cfg.source)
 

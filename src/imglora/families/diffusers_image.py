@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import devices
+from ..config.checks import bucket_checks
 from ..owned import own_module
 from ..errors import ImgloraError
 
@@ -81,6 +82,7 @@ def check_config(family: Any, cfg: "Config", where: Callable[[str], str], proble
     if cfg.export.format not in family.export_formats:
         problems.append(f"{where('export.format')}: {cfg.export.format!r} is not a {family.name} export form; "
                         f"choose one of {', '.join(family.export_formats)}")
+    bucket_checks(cfg.data, family.bucket_step, family.name, where, problems)
 
 
 # -- adapters -------------------------------------------------------------------------------------

@@ -23,17 +23,22 @@ from ...export import LoraModule, add_unique, alpha_tensor, fuse, kohya_name, ko
 from ..diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # default: the diffusers form
+# The adapter types each form can hold: kohya fuses q, k and v (and the single blocks' MLP input) into
+# one low-rank pair per BFL weight, which only plain LoRA factors into; the default form keeps every
+# module, so every type. The config refuses another pairing before training (FluxFamily.check_config).
+FORM_TYPES = {"default": ("lora", "dora", "loha", "lokr"), "kohya": ("lora",)}
+KOHYA_FUSES = ("kohya fuses q, k and v (and the single blocks' MLP input) into one LoRA per FLUX.1 weight, which "
+               "only plain LoRA can be")
 TEXT_PREFIX = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te3"}
 
 
 def tensors(modules: dict[str, Module], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if fmt == "default":
         return diffusers_tensors(modules, base)
-    other = sorted({m.kind for m in modules.values()} - {"lora"})
+    other = sorted({m.kind for m in modules.values()} - set(FORM_TYPES[fmt]))
     if other:
-        raise ImgloraError(f"--format kohya fuses q, k and v (and the single blocks' MLP input) into one LoRA per "
-                           f"FLUX.1 weight, which only plain LoRA can be; export {other[0]} with the default format "
-                           "(ComfyUI loads it, patching each slice)")
+        raise ImgloraError(f"--format {KOHYA_FUSES}; export {other[0]} with the default format (ComfyUI loads it, "
+                           "patching each slice)")
     return kohya_form({name: lora_module(m) for name, m in modules.items()})
 
 
