@@ -24,6 +24,9 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except ImgloraError as exc:
+            if not exc.exit_code:  # nothing to do, which is not a failure (resume.RunComplete)
+                click.echo(str(exc))
+                sys.exit(0)
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
 
