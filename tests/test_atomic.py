@@ -71,9 +71,9 @@ def test_a_full_disk_fails_cleanly_and_leaves_nothing_half_written(tmp_path: Pat
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
     try:
-        with pytest.raises(atomic.WriteError, match=r"good.safetensors: the disk is full or the file size limit"):
+        with pytest.raises(atomic.WriteError, match=r"good.safetensors: the file-size limit was reached: `ulimit -f` is 64"):
             atomic.save_safetensors(tmp_path / "good.safetensors", {"x": torch.ones(100_000)})
-        with pytest.raises(atomic.WriteError, match=r"ckpt: the disk is full"):
+        with pytest.raises(atomic.WriteError, match=r"ckpt: the file-size limit was reached"):
             with atomic.atomic_dir(tmp_path / "ckpt") as tmp:
                 (tmp / "big.bin").write_bytes(b"\0" * 200_000)
     finally:
@@ -81,6 +81,43 @@ def test_a_full_disk_fails_cleanly_and_leaves_nothing_half_written(tmp_path: Pat
         signal.signal(signal.SIGXFSZ, old_handler)
     assert (tmp_path / "good.safetensors").read_bytes() == good  # the earlier file is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.safetensors"]  # no temporaries left
+
+
+LIMITED_WRITE = """
+import resource, sys, torch
+from imglora import atomic
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    atomic.save_safetensors(sys.argv[1], {"x": torch.ones(1 << 19)})  # 2 MiB
+except atomic.WriteError as exc:
+    print(exc)
+"""
+
+
+def test_the_file_size_limit_is_named_when_the_disk_has_room(tmp_path: Path) -> None:
+    # A process of its own under `ulimit -f 1024` (1 MiB): CPython ignores SIGXFSZ, so the write fails with EFBIG.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LIMITED_WRITE, str(tmp_path / "big.safetensors")],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "big.safetensors: the file-size limit was reached: `ulimit -f` is 1024 (KiB, so 1 MiB per file)" in out
+    assert "MiB free there" in out and "`ulimit -f unlimited`" in out
+    assert "disk is full" not in out and "free some space" not in out
+    assert not list(tmp_path.iterdir())  # the temporary is gone
+
+
+def test_a_full_disk_and_a_quota_are_told_apart(tmp_path: Path) -> None:
+    import errno
+
+    full = atomic.explain(tmp_path / "x", OSError(errno.ENOSPC, "No space left on device"))
+    assert full.startswith(f"cannot write {tmp_path / 'x'}: the disk is full (") and "free some space" in full
+    quota = atomic.explain(tmp_path / "x", OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert "the disk quota is exceeded" in quota
+    # safetensors' own error text: EFBIG with no file-size limit is the file system's largest file
+    rust = atomic.explain(tmp_path / "x", Exception("I/O error: File too large (os error 27)"))
+    limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+    assert ("the file-size limit was reached" if limited else "larger than this file system allows") in rust
 
 
 def test_recover_removes_temporaries_and_puts_back_a_folder_moved_aside(tmp_path: Path) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import save_file
 
 from imglora import checkpoint
+from imglora.hashing import sha256_file
 from imglora.commands.common import load_config
 from imglora.families import registry
 
@@ -69,3 +73,57 @@ def test_a_checkpoint_written_before_keys_moved_still_matches() -> None:
     assert checkpoint.config_differences(old, new, registry) == []
     old["train"]["guidance"] = 2.0
     assert checkpoint.config_differences(old, new, registry) == ["flux.guidance: 2.0 in the checkpoint, 1.0 now"]
+
+
+def flip_after_header(path: Path, offset: int = 0) -> None:
+    """Flip the bits of one byte of a safetensors file's tensor data; the header stays valid."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # the header's length, then the header, then the data
+    data[start + offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_every_file_has_its_sha256_written_last_and_a_changed_file_is_a_damaged_checkpoint(tmp_path: Path) -> None:
+    path = save(tmp_path, 4)
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert sorted(manifest["files"]) == [f for f in files if f != checkpoint.MANIFEST]
+    assert manifest["files"]["state.json"] == {"sha256": sha256_file(path / "state.json"),
+                                               "bytes": (path / "state.json").stat().st_size}
+    assert checkpoint.load(path)["verified"] is True
+
+    flip_after_header(path / "optimizer.safetensors")
+    with pytest.raises(checkpoint.DamagedCheckpoint,
+                       match=r"optimizer.safetensors does not match its sha256 in sha256.json"):
+        checkpoint.load(path)
+    assert "optimizer.safetensors does not match" in checkpoint.damage(path)
+    flip_after_header(path / "optimizer.safetensors")  # flipped back: whole again
+    assert checkpoint.damage(path) is None
+    rng = path / "rng.safetensors"
+    size = rng.stat().st_size
+    rng.write_bytes(rng.read_bytes()[: size // 2])
+    with pytest.raises(checkpoint.DamagedCheckpoint,
+                       match=rf"rng.safetensors is {size // 2:,} bytes, {size:,} when the checkpoint was written"):
+        checkpoint.load(path)
+    save(tmp_path, 6)
+    (checkpoint.step_dir(tmp_path, 6) / "adapter" / "a.safetensors").unlink()
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"a.safetensors is missing \(listed in sha256.json\)"):
+        checkpoint.load(checkpoint.step_dir(tmp_path, 6))
+
+
+def test_a_checkpoint_from_before_checksums_loads_unverified_but_a_truncated_file_is_still_found(tmp_path) -> None:
+    path = save(tmp_path, 4)
+    (path / checkpoint.MANIFEST).unlink()  # as written by an earlier imglora
+    (path / "adapter" / "a.safetensors").unlink()
+    save_file({"w": torch.ones(64)}, str(path / "adapter" / "a.safetensors"))
+    assert checkpoint.load(path)["verified"] is False
+    whole = (path / "adapter" / "a.safetensors").read_bytes()
+    (path / "adapter" / "a.safetensors").write_bytes(whole[:-10])
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"adapter/a.safetensors is not a whole safetensors file"):
+        checkpoint.load(path)
+
+
+def test_pruned_checkpoints_leave_nothing_behind(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        save(tmp_path, step, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000006"]

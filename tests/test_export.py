@@ -502,6 +502,35 @@ def test_latest_prefers_a_checkpoint_newer_than_the_final_adapter(flux_run, tmp_
     assert ex.find_source(run, "final").step == 20
 
 
+def test_exporting_an_unfinished_run_warns_with_its_update(flux_run, tmp_path) -> None:
+    """An interrupted run (no final adapter): its newest checkpoint is exported, with a warning."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from imglora.cli import main
+
+    run = tmp_path / "stopped"
+    shutil.copytree(flux_run[0], run)
+    shutil.rmtree(run / "adapter")
+    ckpt = run / "checkpoints" / "step-000010"
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "total_updates": 40}))
+    for rec in (run / "records").glob("*-train.json"):  # as an interrupted run records itself
+        data = json.loads(rec.read_text())
+        rec.write_text(json.dumps({**data, "adapter": None, "steps_done": 10, "total_updates": 40,
+                                   "status": "interrupted"}))
+    warning = ("the run stopped at update 10 of 40; exporting its checkpoint 10, not a finished adapter. To finish "
+               "the run, resume it")
+    res = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "x.safetensors")])
+    assert res.exit_code == 0, res.output
+    assert f"warning: {warning}" in res.output and "exported" in res.output
+    assert record.read_records(run, "export")[-1]["warnings"][0].startswith(warning)
+    assert export_run(run, checkpoint="10", out=tmp_path / "y.safetensors").warnings == ()  # chosen: no warning
+    (ckpt / "state.json").write_text(json.dumps({**state, "total_updates": 10}))  # stopped at its end
+    assert export_run(run, out=tmp_path / "z.safetensors").warnings == ()
+
+
 def test_text_encoder_names() -> None:
     assert sdxl_keys.module_name("text_encoder.text_model.encoder.layers.0.self_attn.q_proj") == \
         "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"

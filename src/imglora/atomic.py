@@ -6,8 +6,8 @@ are first moved aside as ``.<name>.old-<pid>``), so :func:`recover` can tidy wha
 left behind. Files and folders get the permissions the user's umask gives new files (mkstemp alone
 would leave them private to the user, which a ComfyUI running as another user cannot read).
 
-Every write error (a full disk, a read-only folder, a path that is a file) becomes one
-``WriteError`` naming the destination and the fix, never a traceback from inside the writer.
+Every write error (a full disk, the file-size limit, a read-only folder, a path that is a file)
+becomes one ``WriteError`` naming the destination and the fix, never a traceback from the writer.
 """
 
 from __future__ import annotations
@@ -53,15 +53,41 @@ def explain(path: str | os.PathLike, exc: BaseException, what: str = "write") ->
         code = int(m.group(1)) if m else None
     if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         free = _free_bytes(path)
-        room = f" ({free / 2**20:.0f} MiB free there)" if free is not None else ""
-        return (f"cannot {what} {path}: the disk is full or the file size limit was reached{room}; free some "
-                "space (old runs, the cache) or point the output elsewhere")
+        room = f"{free / 2**20:.0f} MiB free there" if free is not None else ""
+        if code == errno.EFBIG:  # a file too big for the process's limit (ulimit -f) or for the file system
+            return _too_big(path, what, room)
+        if code == errno.EDQUOT:
+            return (f"cannot {what} {path}: the disk quota is exceeded ({room or 'quota reached'}); free some space "
+                    "(old runs, the cache) or point the output elsewhere")
+        plenty = free is not None and free > 2**30  # space left: out of inodes (many small files), say so
+        inodes = "; with that much space left, the file system may be out of inodes (`df -i`)" if plenty else ""
+        return (f"cannot {what} {path}: the disk is full{f' ({room})' if room else ''}{inodes}; free some space "
+                "(old runs, the cache) or point the output elsewhere")
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot {what} {path}: permission denied (read-only folder or file system); choose a writable folder"
     if code in (errno.ENOTDIR, errno.EEXIST):
         return f"cannot {what} {path}: a file stands where a folder is needed; move it away or choose another folder"
     reason = getattr(exc, "strerror", None) or text
     return f"cannot {what} {path}: {reason}"
+
+
+def _too_big(path: Path, what: str, room: str) -> str:
+    """EFBIG: the file-size limit (``ulimit -f``; CPython ignores SIGXFSZ, so the write fails with
+    EFBIG instead of killing the process) or, without one, the file system's largest file."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    room = f"; {room}" if room else ""
+    if soft != resource.RLIM_INFINITY:
+        return (f"cannot {what} {path}: the file-size limit was reached: `ulimit -f` is {soft // 1024} (KiB, so "
+                f"{_size(soft)} per file){room}. Raise it (`ulimit -f unlimited` in the shell or job script that "
+                "starts imglora) and run again")
+    return (f"cannot {what} {path}: the file is larger than this file system allows (e.g. 4 GiB on FAT32){room}; "
+            "point the output to another file system")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 def _free_bytes(path: Path) -> int | None:

@@ -8,6 +8,14 @@ the adapter holds its averaged weights). The folder is built under a temporary n
 into place, so a crash never leaves a checkpoint that looks complete but is not; only then are
 checkpoints beyond ``keep`` removed, oldest first (never one newer than the new one).
 
+Every file's sha256 and size are written last, into ``sha256.json`` (atomically), and checked
+before a checkpoint is trusted: a file changed since (flipped bits, a truncated copy) makes the
+checkpoint damaged, and ``--resume`` takes the one before. A checkpoint written before checksums
+existed is still resumed, with a warning that it cannot be verified; its safetensors files are
+still checked to be whole (header and length), which catches a truncated file but not changed bits.
+A pruned checkpoint is first renamed out of sight and then removed, so a reader (``imglora eval``
+while the run trains) sees it whole or not at all.
+
 The loop reseeds every update from (seed, update) and the data order is a function of (seed,
 epoch), so resuming needs neither RNG nor iterator state; the RNG states are saved for inspection.
 The dataset version and the run's length are saved so a resume over changed data is refused.
@@ -16,26 +24,30 @@ The dataset version and the run's length are saved so a resume over changed data
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .owned import load_file
 
 from . import atomic
 from .errors import ImgloraError
+from .hashing import sha256_file
 
 if TYPE_CHECKING:
     from .config import Config
 
 EMA_DIR = "adapter_ema"  # beside adapter/, in the run folder and in each checkpoint
 TRAIN_PARAMS = "train_params.safetensors"
+MANIFEST = "sha256.json"  # every other file's sha256 and size, written last
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -113,11 +125,67 @@ def save(run_dir: Path, step: int, *, write_weights, optimizer: torch.optim.Opti
             "step": step, "config_hash": config_hash, "config": config, "optimizer": rest,
             "scheduler": scheduler.state_dict(), "python_random": _py_rng(), **extra,
         }, indent=1, default=_json_default))
+        write_manifest(tmp)  # last: it vouches for every file above
     # Only checkpoints older than the one just written are ever pruned.
     older = [p for s, p in list_checkpoints(run_dir) if s <= step]
     for old in older[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
     return dest
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint folder so that no reader sees it half removed: one rename takes it out
+    of ``list_checkpoints`` (to a temporary name that :func:`atomic.recover` tidies if this process
+    dies), then its files go."""
+    try:
+        hidden = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        os.replace(path, hidden)
+    except OSError:  # e.g. gone already
+        hidden = path
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def write_manifest(folder: Path) -> None:
+    """``sha256.json``: the sha256 and size of every file in ``folder`` (a checkpoint being built)."""
+    files = {p.relative_to(folder).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    atomic.write_json(folder / MANIFEST, {"format": 1, "files": files})
+
+
+def verify(path: Path) -> bool:
+    """Check a checkpoint's files against its ``sha256.json``; raises :class:`DamagedCheckpoint`
+    naming the first file that differs. Returns False for a checkpoint written before checksums
+    (nothing to check against); every safetensors file is then only checked to be whole."""
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        try:
+            files = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DamagedCheckpoint(f"{manifest} cannot be read ({exc})") from None
+        for rel, want in files.items():
+            _check_file(path, rel, want)
+        return True
+    for p in sorted(path.rglob("*.safetensors")):
+        try:
+            with safe_open(str(p), "pt"):
+                pass
+        except (OSError, SafetensorError) as exc:
+            raise DamagedCheckpoint(f"{p} is not a whole safetensors file ({exc})") from None
+    return False
+
+
+def _check_file(path: Path, rel: str, want: dict[str, Any]) -> None:
+    file = path / rel
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{file} is missing (listed in {MANIFEST})") from None
+    if size != want["bytes"]:
+        raise DamagedCheckpoint(f"{file} is {size:,} bytes, {want['bytes']:,} when the checkpoint was written "
+                                "(truncated or overwritten)")
+    if sha256_file(file) != want["sha256"]:
+        raise DamagedCheckpoint(f"{file} does not match its sha256 in {MANIFEST}: its content changed since the "
+                                "checkpoint was written (damaged on disk or in a copy)")
 
 
 def _py_rng() -> list[Any]:
@@ -131,11 +199,28 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
-UNREADABLE = (OSError, ValueError, KeyError, SafetensorError)  # what a damaged checkpoint raises on load
+class DamagedCheckpoint(ImgloraError):
+    """A checkpoint file differs from what was written (checksum, size) or is not whole."""
+
+
+UNREADABLE = (OSError, ValueError, KeyError, SafetensorError, DamagedCheckpoint)  # a damaged checkpoint on load
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed, or None when it can."""
+    try:
+        load(path)
+    except UNREADABLE as exc:
+        return str(exc)
+    return None
 
 
 def load(path: Path) -> dict[str, Any]:
+    """A checkpoint's state, once its files are verified (``state["verified"]``: False for one
+    written before checksums, which could only be checked to be whole)."""
+    verified = verify(path)
     state = json.loads((path / "state.json").read_text())
+    state["verified"] = verified
     state["optimizer_state"] = optimizer_from_tensors(load_file(str(path / "optimizer.safetensors")),
                                                       state.pop("optimizer"))
     state["rng"] = load_file(str(path / "rng.safetensors"))

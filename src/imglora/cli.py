@@ -24,6 +24,9 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except ImgloraError as exc:
+            if not exc.exit_code:  # nothing to do, which is not a failure (resume.RunComplete)
+                click.echo(str(exc))
+                sys.exit(0)
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
 
@@ -153,6 +156,8 @@ def export_cmd(run_dir: str, checkpoint: str, comfyui: str | None, out: str | No
 
     r = export(Path(run_dir), checkpoint=checkpoint, comfyui=Path(comfyui) if comfyui else None,
                out=Path(out) if out else None, name=name, dtype=dtype, fmt=fmt, force=force, weights=weights)
+    for warning in r.warnings:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(f"exported {r.n_tensors} tensors ({r.format} form, {r.source}) to {r.path}")
     click.echo(f"ComfyUI workflow: {r.workflow_ui} (drag onto the ComfyUI window); API form: {r.workflow_api}")
 

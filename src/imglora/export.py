@@ -54,6 +54,7 @@ class ExportResult:
     metadata: dict[str, str]
     source: Path            # the adapter file that was exported
     step: int | None        # its training step, when known
+    warnings: tuple[str, ...] = ()  # e.g. an unfinished run's checkpoint was exported
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Source:
     label: str                # how messages name it
     config: dict[str, Any]    # the resolved preset it was trained with (any schema version)
     record: dict[str, Any]    # the newest train record ({} when there is none)
+    warnings: tuple[str, ...] = ()  # what the user should know about this choice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +124,8 @@ def export(run_dir: Path, family: "Exportable", source: Source, cfg: "Config", *
     api, ui = comfy.to_api(nodes), comfy.to_ui(nodes)
     paths = write_workflows(stem, api, ui, [dest.parent, run_dir / EXPORT_SUBDIR])
     _record(run_dir, source, cfg, dest, fmt, dtype, len(tensors), blob)
-    return ExportResult(dest, len(tensors), fmt, paths[0], paths[1], metadata, source.path, source.step)
+    return ExportResult(dest, len(tensors), fmt, paths[0], paths[1], metadata, source.path, source.step,
+                        source.warnings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +148,7 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
     finished = [r for r in records if r.get("adapter")]
     final_step = finished[-1].get("steps_done") if finished else None
     which = str(which).strip().lower()
+    unfinished = False
     available = ", ".join(str(s) for s, _ in ckpts) or "none"
     label = ", moving average (train.ema)" if folder == EMA_DIR else ""
 
@@ -154,6 +158,7 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
             which = "final"
         elif ckpts:
             which = str(ckpts[-1][0])
+            unfinished = True  # the newest checkpoint, chosen for the user: say when it is not the run's end
         else:
             raise ImgloraError(f"{run_dir} holds no adapter (adapter/{adapter_file}) and no checkpoint: is it a "
                                "run folder of `imglora train`, and did training save anything yet?")
@@ -172,8 +177,19 @@ def find_source(run_dir: Path, which: str = "latest", adapter_file: str = "pytor
     for s, path in ckpts:
         if s == step:
             state = json.loads((path / "state.json").read_text())
-            return Source(path / folder / adapter_file, step, f"checkpoint step {step}{label}", state["config"], record)
+            warned = _unfinished(step, state.get("total_updates") or record.get("total_updates")) if unfinished else ()
+            return Source(path / folder / adapter_file, step, f"checkpoint step {step}{label}", state["config"], record,
+                          warned)
     raise ImgloraError(f"{run_dir} has no checkpoint for step {step}; available steps: {available}")
+
+
+def _unfinished(step: int, total: int | None) -> tuple[str, ...]:
+    """The warning for exporting, as "latest", the checkpoint of a run that stopped before its end."""
+    if not total or step >= total:
+        return ()
+    return (f"the run stopped at update {step} of {total}; exporting its checkpoint {step}, not a finished "
+            f"adapter. To finish the run, resume it (`imglora train PRESET ... --resume`) and export again; "
+            f"--checkpoint {step} exports this one without this warning",)
 
 
 def weights_folder(weights: str, config: dict[str, Any], run_dir: Path) -> str:
@@ -421,6 +437,6 @@ def _record(run_dir: Path, source: Source, cfg: "Config", dest: Path, fmt: str, 
 
     rec = RunRecord("export", run_dir, cfg.to_dict())
     rec.set(source=str(source.path), step=source.step, destination=str(dest), format=fmt, dtype=dtype,
-            n_tensors=n_tensors, sha256=hashlib.sha256(blob).hexdigest(),
+            n_tensors=n_tensors, sha256=hashlib.sha256(blob).hexdigest(), warnings=list(source.warnings),
             exported_at=datetime.now(timezone.utc).isoformat())
     rec.write()

@@ -12,6 +12,7 @@ from the checkpoint on (``continue_schedule``).
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -29,13 +30,45 @@ RUN_LENGTH = ("train.max_steps:", "train.epochs:")
 
 
 def refuse_existing_run(run_dir: Path, command: str) -> None:
-    """A new run never writes over an earlier one's checkpoints, log or adapter."""
+    """A new run never writes over an earlier one's checkpoints, log or adapter. When none of its
+    checkpoints can be resumed, saying "continue it with --resume" would send the user into a
+    failure: the message then says why, and how to start over."""
     ckpts = checkpoint.list_checkpoints(run_dir)
+    if ckpts:
+        damaged = []
+        for _, path in reversed(ckpts):
+            problem = checkpoint.damage(path)
+            if problem is None:
+                break
+            damaged.append(problem)
+        else:
+            raise ImgloraError(f"{run_dir} already holds a run that cannot be resumed: {_all_damaged(damaged)}. "
+                               + start_over(run_dir))
     if ckpts or (run_dir / "adapter").exists():
         newest = f" (newest checkpoint: update {ckpts[-1][0]})" if ckpts else ""
         raise ImgloraError(
             f"{run_dir} already holds a run{newest}. Continue it with `{command} --resume` (a finished run too: "
             "add --set train.max_steps=<more>), or start a new one under another name: --set run.name=<new name>")
+
+
+def _all_damaged(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"its only checkpoint is damaged ({problems[0]})"
+    return f"all {len(problems)} of its checkpoints are damaged ({'; '.join(problems)})"
+
+
+def start_over(run_dir: Path) -> str:
+    adapter = (f"Its adapter ({run_dir / 'adapter'}) is intact and can still be exported. "
+               if (run_dir / "adapter").is_dir() else "")
+    return (f"{adapter}Start over under another name (--set run.name=<new name>), or remove this run first: "
+            f"rm -rf {shlex.quote(str(run_dir))}")
+
+
+class RunComplete(ImgloraError):
+    """``--resume`` of a run that already reached its length: nothing to do, which is success
+    (exit 0), so a scheduler that re-submits an ended job does not retry it forever."""
+
+    exit_code = 0
 
 
 def check_dependencies(cfg: "Config") -> None:
@@ -74,8 +107,9 @@ def resume_point(run_dir: Path, cfg: "Config", families: Any) -> dict[str, Any]:
         except checkpoint.UNREADABLE as exc:  # a checkpoint damaged by a crash or a full disk
             broken.append(f"{path}: {exc}")
             continue
-        diffs = [d for d in checkpoint.config_differences(state["config"], cfg, families)
-                 if not d.startswith(RUN_LENGTH)]
+        all_diffs = checkpoint.config_differences(state["config"], cfg, families)
+        diffs = [d for d in all_diffs if not d.startswith(RUN_LENGTH)]
+        lengths = [d for d in all_diffs if d.startswith(RUN_LENGTH)]
         if cfg.train.max_steps and cfg.train.max_steps < step:
             diffs.append(f"train.max_steps: {cfg.train.max_steps} now, but the checkpoint is at update {step}; to "
                          "continue the run, raise it above that")
@@ -83,9 +117,22 @@ def resume_point(run_dir: Path, cfg: "Config", families: Any) -> dict[str, Any]:
             raise checkpoint.ResumeRefused(
                 f"--resume refused: {path} was trained with different settings that change the result:\n  "
                 + "\n  ".join(diffs) + "\nRestore them, or start a new run (another run.name).")
+        if _complete(run_dir, state, step, cfg, lengths):
+            raise RunComplete(f"{run_dir} is already complete at {step} updates (adapter: {run_dir / 'adapter'}); "
+                              "raise train.max_steps (or train.epochs) to train further, e.g. --resume --set "
+                              f"train.max_steps={2 * step}")
         state["step"], state["path"], state["skipped"] = step, path, broken
         return state
-    raise checkpoint.ResumeRefused("--resume: no readable checkpoint:\n  " + "\n  ".join(broken))
+    raise checkpoint.ResumeRefused(f"--resume: {run_dir} cannot be resumed: {_all_damaged(broken)}. "
+                                   + start_over(run_dir))
+
+
+def _complete(run_dir: Path, state: dict[str, Any], step: int, cfg: "Config", length_diffs: list[str]) -> bool:
+    """The checkpoint ended its run, the run wrote its adapter, and the length asked for now is
+    that run's. (An epoch count that changed is only known once the data is read: not here.)"""
+    if state.get("total_updates") != step or not (run_dir / "adapter").is_dir():
+        return False
+    return cfg.train.max_steps == step if cfg.train.max_steps else not length_diffs
 
 
 def check_same_data(state: dict[str, Any], data_version: str) -> None:
@@ -116,6 +163,9 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
     for problem in state["skipped"]:
         out(f"warning: skipped a damaged checkpoint: {problem}")
     path = state["path"]
+    if not state.get("verified", True):
+        out(f"warning: {path} was written before checkpoints carried checksums ({checkpoint.MANIFEST}), so its "
+            "files cannot be verified (only checked to be whole); resuming from it as it is")
     check_same_data(state, data_version)
     before = state.get("total_updates")
     if total < state["step"]:

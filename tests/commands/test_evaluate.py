@@ -156,6 +156,31 @@ def test_all_checkpoints_plots_loss_against_step_and_names_the_best(sdxl_run) ->
     assert rows[2]["heldout"] == single["heldout"] and rows[2]["train"] == single["train"]
 
 
+def test_checkpoints_pruned_during_an_all_checkpoints_eval_are_skipped(sdxl_run, tmp_path, monkeypatch) -> None:
+    from imglora import checkpoint, sheets
+
+    cfg, _ = sdxl_run
+    run = tmp_path / "runs" / cfg.run_dir.name
+    shutil.copytree(cfg.run_dir, run, ignore=shutil.ignore_patterns("eval"))  # without earlier evaluations' figures
+    real = sheets.write_outputs
+
+    def then_prune(folder, *a, **k):  # training goes on meanwhile: a new checkpoint, the oldest kept pruned
+        written = real(folder, *a, **k)
+        if folder.name == "step-000001":
+            checkpoint.remove(checkpoint.step_dir(run, 2))
+        return written
+
+    monkeypatch.setattr(sheets, "write_outputs", then_prune)
+    lines: list[str] = []
+    result = evaluate(run, all_checkpoints=True, strengths=[1.0], out=lines.append)
+    assert result.steps == [1, 3] and sorted(result.sheets) == [1, 3]
+    assert f"  step 2: skipped: {checkpoint.step_dir(run, 2) / 'adapter'} was removed while this evaluation ran" \
+        in "\n".join(lines)
+    rows = json.loads((run / "eval" / "losses.json").read_text())["checkpoints"]
+    assert [r["step"] for r in rows] == [1, 3]
+    assert [r["step"] for r in record.read_records(run, "eval")[-1]["losses"]] == [1, 3]
+
+
 def test_flux_eval_with_other_memory_settings_than_training(flux_run) -> None:
     cfg, _ = flux_run
     plain = ['eval.fp8="off"', "eval.blocks_to_swap=0"]

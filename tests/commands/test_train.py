@@ -285,8 +285,9 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_p
 
     for name in ("load_vae", "load_text_encoders", "load_trainable"):
         monkeypatch.setattr(sdxl.SdxlFamily, name, never)
+    longer = load_cfg(small, "train.max_steps=8")  # at 6 of 6 the run is complete: nothing to refuse
     with pytest.raises(checkpoint.ResumeRefused, match="the dataset changed since"):
-        train(cfg, resume=True, out=quiet)
+        train(longer, resume=True, out=quiet)
 
 
 def test_missing_bitsandbytes_or_cuda_fails_before_anything_loads(monkeypatch, tmp_path) -> None:

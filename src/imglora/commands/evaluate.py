@@ -255,11 +255,19 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
         out(f"  scoring the base model's loss on {len(held)} held-out and {len(train)} training image(s)")
         strength(0.0)
         result.base_loss = losses()
-        for step, adapter_dir in targets:
+        for step, adapter_dir in list(targets):
+            folders = {kind: adapter_dir if kind == "raw" else adapter_dir.parent / EMA_DIR for kind in kinds}
+            weights = _read_whole(family, trainable, folders)
+            if weights is None:  # pruned by the training run since the checkpoints were listed
+                out(f"  step {step}: skipped: {adapter_dir} was removed while this evaluation ran (a training run "
+                    "keeps only its newest train.keep_checkpoints checkpoints)")
+                targets.remove((step, adapter_dir))
+                bar.update(len(prompts) * len(columns))
+                continue
             grid: list[list[Any]] = [[None] * len(columns) for _ in prompts]
             for kind in kinds:
-                folder = adapter_dir if kind == "raw" else adapter_dir.parent / EMA_DIR
-                loop.load_adapter(model, trainable, family, folder)
+                for module, state in weights[kind]:
+                    lora.load_adapter_state(module, state)
                 strength(1.0)
                 if kind == kinds[0]:
                     result.losses[step] = losses()
@@ -297,6 +305,10 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
         hook.remove()
         if tracked:
             tracked.close()
+    result.steps = [s for s, _ in targets]
+    if not targets:
+        raise ImgloraError(f"{run_dir}: every checkpoint chosen was removed while this evaluation ran (pruned by "
+                           "training); evaluate the ones kept now, e.g. --checkpoint latest")
 
     table = _merge_losses(run_dir / "eval" / "losses.json", cfg, data.version, len(held), len(train),
                           result, targets)
@@ -323,6 +335,21 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             best_checkpoint=next((r["adapter"] for r in rows if r["step"] == result.best_step), None),
             outputs={"sheets": {str(k): str(v) for k, v in result.sheets.items()},
                      "losses": str(result.losses_file), "plot": str(result.plot) if result.plot else None})
+
+
+def _read_whole(family: "Family", trainable: Any, folders: dict[str, Path]) -> dict[str, list[Any]] | None:
+    """Each folder's adapter states (per module: the denoiser, trained text encoders), read into
+    memory before any is used, or None when a folder is gone. Training prunes a checkpoint by
+    renaming it away first (checkpoint.remove), so a folder that still exists after every read
+    was read whole."""
+    encoders = loop.text_encoders(trainable)
+    try:
+        weights = {kind: [(trainable.model, family.read_adapter(folder)),
+                          *[(enc, family.read_adapter(folder, part)) for part, enc in encoders.items()]]
+                   for kind, folder in folders.items()}
+    except FileNotFoundError:
+        return None
+    return weights if all(folder.is_dir() for folder in folders.values()) else None
 
 
 def _track(tracked: "trackers.Trackers", step: int, lo: dict[str, Any], sheet: Path) -> None:
