@@ -82,11 +82,18 @@ def pixels(path: Path) -> np.ndarray:
 
 
 def base_pipeline_images(family_name: str, prompts: list[str], seed: int, **kwargs) -> list[np.ndarray]:
-    """The base model through its own diffusers pipeline, no adapter anywhere."""
+    """The base model through its own diffusers pipeline, no adapter anywhere; its weights moved to
+    aligned memory as imglora's loaders hold them (``imglora.owned``: diffusers leaves them in the
+    memory-mapped files, where some CPUs' kernels round the last bits otherwise)."""
     import diffusers
+
+    from imglora.owned import own_module
 
     family = get_family(family_name)
     pipe = getattr(diffusers, family.pipeline).from_pretrained(resolve_model(f"tiny:{family_name}", get_family(family_name)).root)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            own_module(component)
     pipe.set_progress_bar_config(disable=True)
     return [np.asarray(pipe(p, height=64, width=64, num_inference_steps=2,
                             generator=torch.Generator().manual_seed(seed), **kwargs).images[0].convert("RGB"))
