@@ -352,11 +352,9 @@ class _Run:
             return TrainResult(self.run_dir, None, step, interrupted, rec_path, self.stop_signal)
         if self.stop_signal == "budget":
             p = self.projection
-            out(f"stopped by the budget guard at update {step}/{self.total}: the session would take "
-                f"{p.text(cfg.train.budget.currency)}; {p.over}. Checkpoint {ckpt_path}.\n"
-                f"To fit: set train.max_steps to {p.fits_steps} or less, pick a faster swap setting "
-                f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`); then "
-                f"`{command} --resume` continues from here.")
+            out(f"{p.stop_advice(cfg.train.budget.currency, step, self.total)}; or pick a faster swap setting "
+                f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`).\n"
+                f"Checkpoint {ckpt_path}; `{command} --resume` continues from here.")
         elif interrupted:
             out(f"stopped at update {step}/{self.total}; checkpoint {ckpt_path}. Continue with: {command} --resume")
         else:
