@@ -177,6 +177,10 @@ class _Run:
         self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
         self.log_path = self.run_dir / "log.jsonl"
         self.history = runlog.read(self.log_path, upto=start)
+        self.watch = runlog.DivergenceWatch()  # (fed the resumed rows too: the lowest loss so far counts)
+        for row in self.history:
+            if "loss" in row:
+                self.watch.add(row["step"], row["loss"])
         self.trackers = trackers.start(session.accelerator, cfg, "train") if self.main else None
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
@@ -221,6 +225,9 @@ class _Run:
         row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
                "sec_per_update": per_update, "grad_norm": grad_norm, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
+        seen = self.watch.first is not None
+        if self.watch.add(step, loss_value):
+            row["diverging"] = True
         self.history.append(row)
         if self.main:
             runlog.append(self.log_path, row)
@@ -230,6 +237,8 @@ class _Run:
                                    "train/peak_reserved": mem["peak_reserved"], "train/peak_rss": mem["peak_rss"]},
                                   step)
         self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
+        if self.watch.first is not None and not seen:
+            self.out(self.watch.warning())
         budget = self.cfg.train.budget
         if self.main and self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps \
                 and step < self.total:
@@ -346,6 +355,7 @@ class _Run:
             rec.set(projection={**self.projection.to_dict(), "actual_seconds": round(actual, 3),
                                 "error_pct": round(100 * (self.projection.seconds - actual) / actual, 2)})
         session_hours = (time.perf_counter() - self.t_setup) / 3600
+        rec.set(divergence=self.watch.first)  # None: the loss never ran away
         rec.set(signal=self.stop_signal, processes=self.procs, gpu_hours=round(session_hours * self.procs, 5))
         rec_path = rec.write(status="interrupted" if interrupted else "ok") if self.main else None
         if not self.main:
@@ -360,7 +370,9 @@ class _Run:
         else:
             ss = telemetry.steady_state(self.step_times, WARMUP_UPDATES)
             per = f"{ss['median']:.3f} s/update (median after {WARMUP_UPDATES} warm-up updates)" if ss["median"] else ""
-            out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}")
+            diverged = (f" (warning: the loss diverged from update {self.watch.first['step']}; see the warning "
+                        "above)") if self.watch.first else ""
+            out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}{diverged}")
         return TrainResult(self.run_dir, adapter, step, interrupted, rec_path, self.stop_signal)
 
 

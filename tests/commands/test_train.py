@@ -414,3 +414,33 @@ def test_too_many_swapped_blocks_refused_before_loading(small, monkeypatch) -> N
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=0", "flux.double_blocks_to_swap=5"])
     with pytest.raises(ImgloraError, match=r"flux.double_blocks_to_swap = 5, but the model has only 4"):
         train(cfg, out=quiet)
+
+
+def test_divergence_rule_ignores_spikes_and_noise_and_names_a_runaway_loss() -> None:
+    from imglora.runlog import DivergenceWatch
+
+    healthy = DivergenceWatch()  # a diffusion loss varies 100x between single updates; its median does not
+    noisy = [0.9, 0.004, 0.6, 0.02, 1.1, 0.3, 0.008, 0.7, 0.5, 40.0, 0.4, 0.05, 0.9, 0.3]  # one 40.0 spike
+    assert not any(healthy.add(step, loss) for step, loss in enumerate(noisy, 1)) and healthy.first is None
+    runaway = DivergenceWatch()
+    flags = [runaway.add(step, loss) for step, loss in enumerate([1.15, 1.62, 2084.0, 610.0, 4449.0, 90.0], 1)]
+    assert flags == [False, False, False, True, True, True]
+    assert runaway.first == {"step": 4, "median_loss": 305.81, "lowest_median_loss": 1.62, "lowest_at": 3,
+                             "rule": DivergenceWatch.RULE}
+    assert runaway.warning().startswith("warning: the loss is diverging: at update 4 its running median over the "
+                                        "last 5 logs is 305.8, more than 10x its lowest (1.62 at update 3)")
+
+
+def test_a_diverging_run_is_warned_about_in_the_log_the_output_and_the_record(small) -> None:
+    cfg = load_cfg(small, "train.learning_rate=1.0", "train.max_grad_norm=0", "train.warmup_steps=0",
+                   "train.checkpoint_every=0")
+    lines: list[str] = []
+    result = train(cfg, out=lines.append)
+    warning = [x for x in lines if x.startswith("warning: the loss is diverging: at update ")]
+    assert len(warning) == 1 and "more than 10x its lowest" in warning[0], lines  # once, not at every log
+    rec = json.loads(result.record.read_text())
+    first = rec["divergence"]
+    assert first["median_loss"] > 10 * first["lowest_median_loss"] and first["rule"].startswith("running median")
+    rows = [json.loads(x) for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("diverging")][0] == first["step"]
+    assert f"(warning: the loss diverged from update {first['step']}; see the warning above)" in lines[-1]
