@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -122,31 +123,41 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
                 memory_plan=memory_plan, processes=procs, effective_batch=effective)
 
         # -- the loop --------------------------------------------------------------------------
-        accum = cfg.train.grad_accum
-        step = start
         t_loop = time.perf_counter()
-        stages.detail = lambda: oom.step_stage(session.stage, step == start + 1)
-        with _StopFlag() as stop, rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
-            for step in range(start + 1, total + 1):
-                torch.manual_seed(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
-                loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device),
-                          run.loss_sum)
-                run.note_non_finite(step)  # on the device: no .item(), no wait for the device
-                if session.ema is not None and step % cfg.train.ema_every == 0:
-                    session.ema.update(session.params)
-                if procs > 1:
-                    run.agree(stop)  # every process stops at the same update, for the same reason
-                if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
-                    run.log(step)  # a sync point, once per log
-                if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
-                    run.validate(step)
-                if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
-                        total, run.last_good_ckpt):
-                    run.checkpoint(step)
-                if stop.signal or run.stop_signal == "budget":
-                    run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
-                    break
-        return run.finish(step, time.perf_counter() - t_loop, command)
+        stages.detail = lambda: oom.step_stage(session.stage, run.step == start + 1)
+        with _StopFlag(run.last_checkpoint_path) as stop:
+            run.stop_flag = stop
+            try:
+                with rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
+                    _loop(run, stop, batcher, rank, procs, device)
+            except _Abandoned:  # a second Ctrl-C during an update: that update is not saved
+                return run.abandon(command)
+            stop.saving = True  # only saving is left: from here on a Ctrl-C never abandons it
+            return run.finish(run.step, time.perf_counter() - t_loop, command)
+
+
+def _loop(run: "_Run", stop: "_StopFlag", batcher: Batcher, rank: int, procs: int, device: torch.device) -> None:
+    """The updates from the start until the last or a stop; ``run.step`` is the one under way."""
+    cfg, session, data, family, accum, total = run.cfg, run.s, run.data, run.family, run.cfg.train.grad_accum, run.total
+    for step in range(run.start + 1, total + 1):
+        run.step = step
+        torch.manual_seed(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
+        loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device), run.loss_sum)
+        run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+        if session.ema is not None and step % cfg.train.ema_every == 0:
+            session.ema.update(session.params)
+        if procs > 1:
+            run.agree(stop)  # every process stops at the same update, for the same reason
+        if step % cfg.train.log_every == 0 or step == total or step - run.start == WARMUP_UPDATES or stop.signal:
+            run.log(step)  # a sync point, once per log
+        if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
+            run.validate(step)
+        if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
+                total, run.last_good_ckpt):
+            run.checkpoint(step)
+        if stop.signal or run.stop_signal == "budget":
+            run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
+            break
 
 
 def _micros(batcher: Batcher, step: int, accum: int, rank: int, procs: int, family: "Family", seed: int,
@@ -188,6 +199,8 @@ class _Run:
         self.last_log_t, self.last_log_step = time.perf_counter(), start
         self.paused = 0.0  # seconds since the last log spent saving checkpoints
         self.last_good_ckpt = start
+        self.step = start  # the update under way (the last one done once the loop ends)
+        self.stop_flag: _StopFlag | None = None  # (a save under way is not abandoned by a second Ctrl-C)
         self.stop_signal: str | None = None
         self.projection: economics.Projection | None = None
 
@@ -294,7 +307,7 @@ class _Run:
         if not self.main:  # one writer: the processes hold the same adapter and optimizer state
             self.last_good_ckpt = step
             return checkpoint.step_dir(self.run_dir, step)
-        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"):
+        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"), _saving(self.stop_flag):
             path = checkpoint.save(self.run_dir, step, write_weights=self.write_weights, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
@@ -305,6 +318,21 @@ class _Run:
         self.paused += seconds
         self.last_good_ckpt = step
         return path
+
+    def abandon(self, command: str) -> TrainResult:
+        """A second Ctrl-C stopped the run in the middle of an update: nothing more is saved; the
+        record and the message say which checkpoint is the last and how to continue from it."""
+        kept = self.last_checkpoint_path()
+        self.stop_signal = "SIGINT"
+        if self.trackers:
+            self.trackers.close()
+        self.rec.set(steps_done=self.last_good_ckpt, interrupted=True, abandoned_update=self.step, signal="SIGINT",
+                     last_checkpoint=kept, divergence=self.watch.first, processes=self.procs)
+        rec_path = self.rec.write(status="interrupted") if self.main else None
+        self.out(f"stopped at once by a second Ctrl-C during update {self.step}/{self.total}, which is not saved. "
+                 + (f"The last checkpoint is {kept} (update {self.last_good_ckpt}); continue with: {command} --resume"
+                    if kept else f"No checkpoint had been written yet; start again with: {command}"))
+        return TrainResult(self.run_dir, None, self.last_good_ckpt, True, rec_path, "SIGINT")
 
     def check_finite(self) -> None:
         bad = int(self.first_bad.item())
@@ -376,11 +404,38 @@ class _Run:
         return TrainResult(self.run_dir, adapter, step, interrupted, rec_path, self.stop_signal)
 
 
-class _StopFlag:
-    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit."""
+class _Abandoned(KeyboardInterrupt):
+    """A second Ctrl-C while an update runs: stop at once, without saving that update."""
 
-    def __init__(self) -> None:
+
+@contextmanager
+def _saving(stop: "_StopFlag | None") -> Iterator[None]:
+    """A checkpoint being written: a Ctrl-C meanwhile is noted, never abandons it."""
+    if stop is None:
+        yield
+        return
+    before, stop.saving = stop.saving, True
+    try:
+        yield
+    finally:
+        stop.saving = before
+
+
+class _StopFlag:
+    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit.
+
+    Ctrl-C is often pressed several times in a row; those within ``REPEAT_S`` of the first count as
+    the same one. A later one while an update still runs stops at once without saving it (raises
+    ``_Abandoned``: the last checkpoint is kept), which the first Ctrl-C's message says. A Ctrl-C
+    while a checkpoint is written never abandons it."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self, last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
         self.signal: int | None = None
+        self.saving = False
+        self.last_checkpoint = last_checkpoint
+        self._at = 0.0
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> "_StopFlag":
@@ -389,12 +444,25 @@ class _StopFlag:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out
-        self.signal = signum
-        print(f"\n{signal.Signals(signum).name} received: finishing this update, then saving a checkpoint",
-              file=sys.stderr, flush=True)
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            self.signal, self._at = signum, time.monotonic()
+            kept = self.last_checkpoint()
+            again = (" Press Ctrl-C again, a second or more from now, to stop at once without saving this update"
+                     f" ({f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint has been written yet'})."
+                     if signum == signal.SIGINT else "")
+            _say(f"\n{name} received: finishing this update, then saving a checkpoint.{again}")
+        elif self.saving:
+            _say(f"{name} received again: the checkpoint is being written and is not abandoned; it ends in a moment")
+        elif signum == signal.SIGINT and time.monotonic() - self._at >= self.REPEAT_S:
+            raise _Abandoned()
+        else:
+            _say(f"{name} received again: already stopping after this update, then saving a checkpoint")
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -444,3 +444,56 @@ def test_a_diverging_run_is_warned_about_in_the_log_the_output_and_the_record(sm
     rows = [json.loads(x) for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("diverging")][0] == first["step"]
     assert f"(warning: the loss diverged from update {first['step']}; see the warning above)" in lines[-1]
+
+
+def test_a_second_ctrl_c_during_an_update_stops_at_once_naming_the_last_checkpoint(small, monkeypatch) -> None:
+    from imglora import loop, training
+
+    cfg = load_cfg(small)
+    real_step, calls = loop.step, []
+
+    def step(*args, **kw):  # Ctrl-C twice, a second apart (REPEAT_S = 0 here), while update 3 runs
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(loop, "step", step)
+    monkeypatch.setattr(training._StopFlag, "REPEAT_S", 0.0)
+    lines: list[str] = []
+    result = train(cfg, command="imglora train x", out=lines.append)
+    kept = cfg.run_dir / "checkpoints" / "step-000002"
+    assert result.interrupted and result.signal == "SIGINT" and result.steps_done == 2 and result.adapter is None
+    assert lines[-1] == (f"stopped at once by a second Ctrl-C during update 3/8, which is not saved. The last "
+                         f"checkpoint is {kept} (update 2); continue with: imglora train x --resume")
+    assert [s for s, _ in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
+    rec = json.loads(result.record.read_text())
+    assert rec["status"] == "interrupted" and rec["abandoned_update"] == 3 and rec["last_checkpoint"] == str(kept)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+
+def test_ctrl_c_pressed_three_times_at_once_still_saves_and_exits_130(small, tmp_path: Path) -> None:
+    overrides = [*[o for o in small if not o.startswith(("train.max_steps", "train.checkpoint"))],
+                 "train.max_steps=400", "train.checkpoint_every=0"]
+    proc = cli(["train", str(PRESET), *set_args(overrides)], start_new_session=True)
+    out = ""
+    for line in proc.stdout:  # wait for two logged updates
+        out += line
+        if "2/400" in line:
+            break
+    # As a user pressing Ctrl-C repeatedly: three SIGINTs to the process group within 0.2 s (apart enough that
+    # Python does not merge them all into one call of the handler while a torch operation runs).
+    for _ in range(3):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.1)
+    out += proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, out
+    assert ("SIGINT received: finishing this update, then saving a checkpoint. Press Ctrl-C again, a second or "
+            "more from now, to stop at once without saving this update (no checkpoint has been written yet)") in out
+    again = ("SIGINT received again: already stopping after this update, then saving a checkpoint",
+             "SIGINT received again: the checkpoint is being written and is not abandoned; it ends in a moment")
+    assert 1 <= sum(out.count(x) for x in again) <= 2, out  # (the run may have ended before the third)
+    steps = [s for s, _ in checkpoint.list_checkpoints(tmp_path / "runs" / "tiny-sdxl")]
+    assert len(steps) == 1 and f"stopped at update {steps[0]}/400; checkpoint " in out and "--resume" in out
+    assert "Aborted!" not in out
