@@ -26,6 +26,9 @@ class _Group(click.Group):
         except ImgloraError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C where nothing needs saving: exit as a shell reports SIGINT
+            click.echo("interrupted (Ctrl-C)", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100,
