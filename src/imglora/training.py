@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan_budget, record, resume,
-               runlog, telemetry, trackers)
+               runlock, runlog, telemetry, trackers)
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
@@ -243,6 +243,7 @@ class _Run:
             row["diverging"] = True
         self.history.append(row)
         if self.main:
+            runlock.check_held(self.run_dir, f"at update {step}")  # never recreate a deleted run folder
             runlog.append(self.log_path, row)
         if self.trackers:
             self.trackers.scalars({"train/loss": loss_value, "train/lr": row["lr"], "train/sec_per_update": per_update,
@@ -307,6 +308,7 @@ class _Run:
         if not self.main:  # one writer: the processes hold the same adapter and optimizer state
             self.last_good_ckpt = step
             return checkpoint.step_dir(self.run_dir, step)
+        runlock.check_held(self.run_dir, f"at update {step}, before its checkpoint")
         with self.rec.phase("checkpoints"), self.stages("checkpoint saving"), _saving(self.stop_flag):
             path = checkpoint.save(self.run_dir, step, write_weights=self.write_weights, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
@@ -350,6 +352,8 @@ class _Run:
         interrupted = self.stop_signal is not None
         t_finish = time.perf_counter()
         self.check_finite()
+        if self.main:
+            runlock.check_held(self.run_dir, f"at update {step}, at the end of the run")
         if step == self.last_good_ckpt and step > self.start:  # already saved at this update
             ckpt_path = checkpoint.step_dir(self.run_dir, step)
         elif step > self.start or not checkpoint.list_checkpoints(self.run_dir):

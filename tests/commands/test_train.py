@@ -497,3 +497,26 @@ def test_ctrl_c_pressed_three_times_at_once_still_saves_and_exits_130(small, tmp
     steps = [s for s, _ in checkpoint.list_checkpoints(tmp_path / "runs" / "tiny-sdxl")]
     assert len(steps) == 1 and f"stopped at update {steps[0]}/400; checkpoint " in out and "--resume" in out
     assert "Aborted!" not in out
+
+
+def test_a_run_folder_deleted_mid_run_stops_the_run_and_is_not_recreated(small, monkeypatch) -> None:
+    import shutil
+
+    from imglora import loop
+    from imglora.runlock import RunFolderGone
+
+    cfg = load_cfg(small)
+    real_step, calls = loop.step, []
+
+    def step(*args, **kw):  # `rm -rf` of the run folder while update 3 runs
+        calls.append(1)
+        if len(calls) == 3:
+            shutil.rmtree(cfg.run_dir)
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(loop, "step", step)
+    with pytest.raises(RunFolderGone, match=r"the run folder .* was deleted, or its lock file \.imglora\.lock removed, "
+                                            r"while this run was writing there \(noticed at update 3\)") as err:
+        train(cfg, out=quiet)
+    assert err.value.exit_code == 4 and len(calls) == 3
+    assert not cfg.run_dir.exists()  # neither the log nor a checkpoint recreated it without its lock
