@@ -125,7 +125,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         # -- the loop --------------------------------------------------------------------------
         t_loop = time.perf_counter()
         stages.detail = lambda: oom.step_stage(session.stage, run.step == start + 1)
-        with _StopFlag(run.last_checkpoint_path) as stop:
+        with _StopFlag(run.last_checkpoint_path, speak=main) as stop:
             run.stop_flag = stop
             try:
                 with rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
@@ -146,17 +146,19 @@ def _loop(run: "_Run", stop: "_StopFlag", batcher: Batcher, rank: int, procs: in
         run.note_non_finite(step)  # on the device: no .item(), no wait for the device
         if session.ema is not None and step % cfg.train.ema_every == 0:
             session.ema.update(session.params)
-        if procs > 1:
-            run.agree(stop)  # every process stops at the same update, for the same reason
-        if step % cfg.train.log_every == 0 or step == total or step - run.start == WARMUP_UPDATES or stop.signal:
+        # Several processes decide on the signal they agreed on: one that arrives after the exchange
+        # waits for the next update (acted on at once by one process, the others would wait for it
+        # in a collective it never joins).
+        signalled = run.agree(stop) if procs > 1 else stop.signal
+        if step % cfg.train.log_every == 0 or step == total or step - run.start == WARMUP_UPDATES or signalled:
             run.log(step)  # a sync point, once per log
         if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
             run.validate(step)
         if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
                 total, run.last_good_ckpt):
             run.checkpoint(step)
-        if stop.signal or run.stop_signal == "budget":
-            run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
+        if signalled or run.stop_signal == "budget":
+            run.stop_signal = run.stop_signal or signal.Signals(signalled).name
             break
 
 
@@ -207,9 +209,10 @@ class _Run:
     def note_non_finite(self, step: int) -> None:
         self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(self.loss_sum), step, self.first_bad)
 
-    def agree(self, stop: "_StopFlag") -> None:
+    def agree(self, stop: "_StopFlag") -> int:
         """Several processes: share what any of them saw -- the first non-finite update, a signal,
-        the budget guard's verdict -- so all stop at the same update (one collective per update)."""
+        the budget guard's verdict -- so all stop at the same update (one collective per update).
+        Returns the signal agreed on (0: none), which the loop acts on."""
         flags = torch.stack([self.first_bad, torch.tensor(stop.signal or 0, device=self.device),
                              torch.tensor(int(self.budget_pending), device=self.device)])
         first_bad, sig, budget = distributed.max_all(flags).tolist()
@@ -219,6 +222,7 @@ class _Run:
             stop.signal = sig
         if budget:
             self.stop_signal = "budget"
+        return int(sig)
 
     def log(self, step: int) -> None:
         if self.procs > 1:
@@ -435,7 +439,8 @@ class _StopFlag:
 
     REPEAT_S = 1.0
 
-    def __init__(self, last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(self, last_checkpoint: Callable[[], str | None] = lambda: None, speak: bool = True) -> None:
+        self.speak = speak  # several processes: only the main one says what it does
         self.signal: int | None = None
         self.saving = False
         self.last_checkpoint = last_checkpoint
@@ -455,18 +460,19 @@ class _StopFlag:
             again = (" Press Ctrl-C again, a second or more from now, to stop at once without saving this update"
                      f" ({f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint has been written yet'})."
                      if signum == signal.SIGINT else "")
-            _say(f"\n{name} received: finishing this update, then saving a checkpoint.{again}")
+            self._say(f"\n{name} received: finishing this update, then saving a checkpoint.{again}")
         elif self.saving:
-            _say(f"{name} received again: the checkpoint is being written and is not abandoned; it ends in a moment")
+            self._say(f"{name} received again: the checkpoint is being written and is not abandoned; it ends in a "
+                      "moment")
         elif signum == signal.SIGINT and time.monotonic() - self._at >= self.REPEAT_S:
             raise _Abandoned()
         else:
-            _say(f"{name} received again: already stopping after this update, then saving a checkpoint")
+            self._say(f"{name} received again: already stopping after this update, then saving a checkpoint")
+
+    def _say(self, line: str) -> None:
+        if self.speak:
+            print(line, file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
