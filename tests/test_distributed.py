@@ -4,6 +4,7 @@ same adapter as one process with the whole batch, the cache filled once, one voi
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -81,9 +82,9 @@ def test_two_processes_train_what_one_process_trains_with_the_whole_batch(preset
         assert record.read_records(runs / "one", "train")[0]["cache_encoded"] == 0
 
 
-def signal_one_worker(args: list[str], when: str, sig: int) -> tuple[subprocess.Popen, str, float]:
-    """Start ``imglora <args> --gpus 2``, wait for the progress line containing ``when``, send ``sig``
-    to one of the two workers; returns the launcher, its output so far, and when the signal went."""
+def start_two(args: list[str], when: str) -> tuple[subprocess.Popen, str]:
+    """Start ``imglora <args> --gpus 2`` in a session of its own (so its process group can be
+    signalled as a terminal would) and wait for the progress line containing ``when``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "-m", "imglora", *args, "--gpus", "2"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
@@ -92,28 +93,54 @@ def signal_one_worker(args: list[str], when: str, sig: int) -> tuple[subprocess.
         out += line
         if when in line:
             break
-    workers = subprocess.run(["pgrep", "-f", "-P", str(_child_of(p.pid)), "imglora train"], capture_output=True,
-                             text=True).stdout.split()
+    return p, out
+
+
+def workers_of(launcher: subprocess.Popen) -> list[int]:
+    """The launcher's two training processes (its children), rank 0 first."""
+    pids = subprocess.run(["pgrep", "-f", "-P", str(launcher.pid), "imglora train"], capture_output=True,
+                          text=True).stdout.split()
+    return sorted(map(int, pids))
+
+
+def signal_one_worker(args: list[str], when: str, sig: int) -> tuple[subprocess.Popen, str, float, int]:
+    """Start ``imglora <args> --gpus 2``, wait for the progress line containing ``when``, send ``sig``
+    to one of the two workers; returns the launcher, its output so far, when the signal went, and
+    to which process."""
+    p, out = start_two(args, when)
+    workers = workers_of(p)
     assert len(workers) == 2, (workers, out[-2000:])
-    os.kill(int(workers[-1]), sig)
-    return p, out, time.time()
+    os.kill(workers[-1], sig)
+    return p, out, time.time(), workers[-1]
 
 
-def _child_of(pid: int) -> int:
-    """The launcher's agent process (the workers' parent)."""
-    for _ in range(100):
-        kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        if kids:
-            return int(kids[0])
-        time.sleep(0.1)
-    return pid
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, to_group", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
+def test_a_signal_to_the_launcher_or_its_group_stops_every_process_with_one_checkpoint(
+        sig: int, code: int, to_group: bool, tmp_path: Path) -> None:
+    """SIGTERM to the launcher alone (a scheduler), or Ctrl-C to the whole process group (a terminal):
+    the launcher passes it on once to each process, waits for the checkpoint, and exits with their code."""
+    args = run_args(tmp_path, "tiny-sdxl", "sig", "train.batch_size=1", "train.max_steps=400",
+                    "train.checkpoint_every=0")
+    p, out = start_two(args, "2/400")
+    (os.killpg if to_group else os.kill)(p.pid, sig)
+    out += p.communicate(timeout=120)[0]
+    assert p.returncode == code, out[-3000:]
+    run = tmp_path / "runs" / "sig"
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1, out[-3000:]
+    rec = record.read_records(run, "train")[-1]
+    assert rec["interrupted"] and rec["signal"] == signal.Signals(sig).name
+    assert rec["steps_done"] == int(ckpts[0].name[5:]) and f"checkpoint {ckpts[0]}" in out
+    assert out.count(f"{signal.Signals(sig).name} received") == 1  # the main process's voice, told once
+    assert "--gpus 2 --resume" in out and "Traceback" not in out and "Aborted" not in out
 
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_update_with_one_checkpoint(tmp_path: Path) -> None:
     args = run_args(tmp_path, "tiny-sdxl", "sig", "train.batch_size=1", "train.max_steps=400",
                     "train.checkpoint_every=0")
-    p, out, _ = signal_one_worker(args, "3/400", signal.SIGTERM)
+    p, out, _, _ = signal_one_worker(args, "3/400", signal.SIGTERM)
     out += p.stdout.read()
     p.wait(timeout=120)
     run = tmp_path / "runs" / "sig"
@@ -128,10 +155,16 @@ def test_sigterm_to_one_process_stops_both_at_the_same_update_with_one_checkpoin
 def test_a_killed_process_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     args = run_args(tmp_path, "tiny-sdxl", "kill", "train.batch_size=1", "train.max_steps=60",
                     "train.checkpoint_every=2")
-    p, out, t0 = signal_one_worker(args, "5/60", signal.SIGKILL)
+    p, out, t0, killed = signal_one_worker(args, "5/60", signal.SIGKILL)
     out += p.stdout.read()
     p.wait(timeout=300)
     assert p.returncode != 0 and time.time() - t0 < 120, out[-3000:]  # all stopped, none left hanging
+    # One line from the launcher naming the process that died, and the survivor's own message; none
+    # of torch's launcher tracebacks.
+    assert f"imglora: process 1 of 2 (pid {killed}) was killed by SIGKILL; the others stop at their next " \
+           "exchange with it" in out, out[-3000:]
+    assert "another process of this 2-process run stopped answering" in out and "continue with the same command" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out and len(out.splitlines()) < 40, out[-3000:]
     run = tmp_path / "runs" / "kill"
     done = sorted(int(c.name[5:]) for c in (run / "checkpoints").glob("step-*"))
     assert done and not (run / "adapter").exists()
@@ -211,3 +244,79 @@ def test_shutdown_leaves_the_process_group_before_exit(tmp_path: Path) -> None:
     distributed.shutdown(True)
     assert not dist.is_initialized()
     distributed.shutdown(False)  # nothing left to tear down: no error
+
+
+WORKER = '''
+import os, signal, sys, time
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+behaviour = sys.argv[2]
+
+def stop(signum, frame):
+    with open(f"{out}/{rank}.{signal.Signals(signum).name}", "a") as fh:
+        fh.write("x")
+    time.sleep(0.3)  # "saving a checkpoint"
+    sys.exit(128 + signum)
+
+if behaviour == "checkpoint":
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+elif behaviour == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(f"{out}/{rank}.env", "w").write(" ".join(os.environ[k] for k in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")))
+open(f"{out}/{rank}.ready", "w").close()
+if behaviour == "stubborn" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+'''
+
+
+@pytest.fixture()
+def worker_module(tmp_path: Path, monkeypatch) -> Path:
+    (tmp_path / "fake_worker.py").write_text(WORKER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    return tmp_path
+
+
+def launch_and_signal(out: Path, behaviour: str, sig: int | None, lines: list[str]) -> int:
+    """``distributed.launch`` of two fake workers; ``sig`` goes to the launcher (this process) once both
+    are up, as a scheduler's SIGTERM or a terminal's Ctrl-C would."""
+    import threading
+
+    def send() -> None:
+        deadline = time.time() + 30
+        while not all((out / f"{r}.ready").exists() for r in range(2)) and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), sig)
+
+    if sig is not None:
+        threading.Thread(target=send, daemon=True).start()
+    return distributed.launch(2, [str(out), behaviour], module_name="fake_worker", say=lines.append)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_the_launcher_forwards_a_signal_once_to_each_process_and_waits_for_them(sig, code, worker_module) -> None:
+    out = worker_module / "out"
+    out.mkdir()
+    lines: list[str] = []
+    t0 = time.time()
+    assert launch_and_signal(out, "checkpoint", sig, lines) == code
+    name = signal.Signals(sig).name
+    assert sorted(p.name for p in out.glob(f"*.{name}")) == [f"0.{name}", f"1.{name}"]
+    assert all((out / f"{r}.{name}").read_text() == "x" for r in range(2))  # once each: never a second Ctrl-C
+    assert (out / "1.env").read_text() == "2 1 127.0.0.1" and time.time() - t0 < 30 and lines == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's handlers are given back
+
+
+def test_a_process_killed_by_a_signal_is_named_in_one_line_and_the_rest_are_stopped(worker_module,
+                                                                                   monkeypatch) -> None:
+    monkeypatch.setattr(distributed, "GRACE_S", 0.5)
+    out = worker_module / "out"
+    out.mkdir()
+    lines: list[str] = []
+    # Process 1 dies of SIGKILL; process 0 ignores SIGTERM (as one stuck in a collective would not
+    # act on it): SIGTERM after the grace period, then SIGKILL.
+    assert launch_and_signal(out, "stubborn", None, lines) == 128 + signal.SIGKILL
+    assert len(lines) == 3 and re.fullmatch(r"imglora: process 1 of 2 \(pid \d+\) was killed by SIGKILL; the others "
+                                            r"stop at their next exchange with it", lines[0])
+    assert lines[1:] == ["imglora: stopping the processes still running 0 s after process 1 ended",
+                         "imglora: killing the processes still running 1 s after process 1 ended"]

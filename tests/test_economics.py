@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,14 @@ def test_projection_and_what_fits() -> None:
     assert p.cost == pytest.approx(p.seconds / 3600 * 2.0)
     assert "exceeds train.budget.max_cost = 1 USD" in p.over
     assert p.fits_steps == 10 + (1800 - 100 - 20) // 10
+    assert p.stop_advice("USD", 10, 1000) == (
+        "stopped by the budget guard at update 10/1000: measured over the first 10 updates, the whole session would "
+        f"take 2:47:00 and cost {p.cost:.2f} USD ({p.over}). The budget fits 178 updates in all: set "
+        "train.max_steps to 178 or less")
+    spent = ec.project(budget, step=10, total=1000, elapsed=1790.0, seconds_per_update=10.0, checkpoint_every=250,
+                       seconds_per_checkpoint=5.0)
+    assert spent.fits_steps == 9 and spent.stop_advice("USD", 10, 1000).endswith(
+        "No further updates fit the budget: raise that limit to train more")
     ok = ec.project(config.BudgetConfig(max_hours=10), step=10, total=1000, elapsed=100.0, seconds_per_update=10.0,
                     checkpoint_every=0, seconds_per_checkpoint=0.0)
     assert ok.over is None and ok.fits_steps is None
@@ -75,7 +84,12 @@ def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Pat
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 3, r.output
     assert "stopped by the budget guard at update 5/500" in r.output
-    assert "exceeds train.budget.max_hours = 0.0001" in r.output and "set train.max_steps to" in r.output
+    # 0.36 s allowed and more already spent: no further update fits, and the message says so in words.
+    assert re.search(r"stopped by the budget guard at update 5/500: measured over the first 5 updates, the whole "
+                     r"session would take 0:\d\d:\d\d \(\d+\.\d\d h exceeds train.budget.max_hours = 0.0001\)\. "
+                     r"No further updates fit the budget: raise that limit to train more; or pick a faster swap "
+                     r"setting", r.output), r.output
+    assert "projection after" not in r.output.split("stopped by")[1] and "max_steps to 0" not in r.output
     run = tmp_path / "runs" / "tiny-sdxl"
     assert [s for s, _ in checkpoint.list_checkpoints(run)] == [5]
     assert not (run / "adapter").exists()

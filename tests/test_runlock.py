@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,3 +81,24 @@ def test_without_flock_a_dead_pid_is_taken_over_and_a_live_one_refused(tmp_path:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_deleted_run_folder_or_a_replaced_lock_file_is_noticed(tmp_path: Path) -> None:
+    import shutil
+
+    from imglora.runlock import RunFolderGone, check_held
+
+    run = tmp_path / "run"
+    with runlock.hold(run, "imglora train x"):
+        check_held(run, "at update 1")  # still its own
+        shutil.rmtree(run)
+        with pytest.raises(RunFolderGone, match=rf"the run folder {re.escape(str(run))} was deleted, or its lock file "
+                                                r"\.imglora\.lock removed, while this run was writing there \(noticed "
+                                                r"at update 7\); stopping without writing anything more"):
+            check_held(run, "at update 7")
+    check_held(run, "later")  # no longer held by this process: nothing to check
+    with runlock.hold(run, "imglora train x") as lock:
+        lock.unlink()
+        lock.write_text("{}")  # another process's new lock file in its place
+        with pytest.raises(RunFolderGone):
+            check_held(run, "at update 2")

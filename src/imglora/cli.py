@@ -29,6 +29,9 @@ class _Group(click.Group):
                 sys.exit(0)
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C where nothing needs saving: exit as a shell reports SIGINT
+            click.echo("interrupted (Ctrl-C)", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100,
@@ -104,12 +107,12 @@ def cache_latents_cmd(preset: str, overrides: tuple[str, ...], verify: bool) -> 
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint of the run folder.")
 @click.option("--gpus", type=click.IntRange(min=1), default=None,
-              help="Train data-parallel on this many GPUs of this machine (starts `accelerate launch`; without "
-                   "CUDA, that many CPU processes). Same as launching `-m imglora train` with accelerate yourself.")
+              help="Train data-parallel on this many GPUs of this machine (one process each, as `accelerate "
+                   "launch` starts them; without CUDA, that many CPU processes). Same as launching `-m imglora "
+                   "train` with accelerate yourself.")
 def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool, gpus: int | None) -> None:
     """Train a LoRA adapter: cache, train, checkpoint, write the adapter and run record."""
     import shlex
-    import subprocess
 
     from . import distributed
     from .commands.train import train
@@ -118,9 +121,8 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool, gpus: int |
     cfg = _load(preset, overrides)  # checked once here, before any process starts
     if gpus and gpus > 1 and distributed.launched_processes() == 1:
         argv = ["train", preset, *[x for o in overrides for x in ("--set", o)], *(["--resume"] if resume else [])]
-        cmd = distributed.launch_command(gpus, argv)
-        click.echo(f"starting {gpus} processes: {distributed.describe(cmd)}")
-        sys.exit(subprocess.run(cmd, check=False).returncode)
+        click.echo(f"starting {gpus} processes: {distributed.describe([sys.executable, '-m', 'imglora', *argv])}")
+        sys.exit(distributed.launch(gpus, argv))
     command = shlex.join(["imglora", "train", preset, *[x for o in overrides for x in ("--set", o)]])
     if distributed.launched_processes() > 1:  # how to start it again: with as many processes
         command += f" --gpus {distributed.launched_processes()}"

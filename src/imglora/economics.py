@@ -245,6 +245,17 @@ class Projection:
                 f"({self.remaining_updates} updates left × {self.seconds_per_update:.3f} s, "
                 f"{self.remaining_checkpoints} checkpoints × {self.seconds_per_checkpoint:.1f} s)")
 
+    def stop_advice(self, currency: str, step: int, total: int) -> str:
+        """Why the budget guard stopped at ``step`` of ``total``, in one sentence, and what would fit:
+        how many updates the budget allows (or that none more do)."""
+        cost = f" and cost {self.cost:.2f} {currency}" if self.cost is not None else ""
+        head = (f"stopped by the budget guard at update {step}/{total}: measured over the first {self.at_step} "
+                f"updates, the whole session would take {_hms(self.seconds)}{cost} ({self.over})")
+        if self.fits_steps is not None and self.fits_steps > step:
+            return (f"{head}. The budget fits {self.fits_steps} updates in all: set train.max_steps to "
+                    f"{self.fits_steps} or less")
+        return f"{head}. No further updates fit the budget: raise that limit to train more"
+
 
 def project(budget: Any, *, step: int, total: int, elapsed: float, seconds_per_update: float,
             checkpoint_every: int, seconds_per_checkpoint: float) -> Projection:

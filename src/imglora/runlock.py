@@ -5,6 +5,10 @@ SIGKILL included: a lock left by a dead process never blocks the next run. The f
 the owner's pid, host and command, so the refusal says who holds it; where ``flock`` is not
 available (some network file systems) the pid is checked instead, and a lock whose process no
 longer exists on this host is taken over.
+
+A lock only guards while its file is in the folder: if the run folder is deleted (or the lock file
+removed) mid-run, a second trainer can take a new lock there. ``check_held`` notices, and the run
+stops rather than write into a folder that is no longer its own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,34 @@ LOCK_NAME = ".imglora.lock"
 
 class RunInUse(ImgloraError):
     exit_code = 4
+
+
+class RunFolderGone(ImgloraError):
+    exit_code = 4
+
+
+_HELD: dict[str, tuple[int, Path]] = {}  # run folder (absolute) -> the open lock file and its path
+
+
+def check_held(run_dir: str | os.PathLike, when: str) -> None:
+    """Raise ``RunFolderGone`` if this process holds ``run_dir``'s lock but the lock file it holds
+    is no longer the one in the folder (the folder deleted, or the lock file removed or replaced).
+    ``when``: where the run is, for the message ("at update 12"). Folders not held here pass."""
+    held = _HELD.get(os.path.abspath(run_dir))
+    if held is None:
+        return
+    fd, path = held
+    try:
+        there, mine = os.stat(path), os.fstat(fd)
+        if (there.st_ino, there.st_dev) == (mine.st_ino, mine.st_dev):
+            return
+    except OSError:  # no such file: the folder or the lock file was deleted
+        pass
+    raise RunFolderGone(
+        f"the run folder {run_dir} was deleted, or its lock file {LOCK_NAME} removed, while this run was writing "
+        f"there (noticed {when}); stopping without writing anything more, since another run may hold that folder "
+        f"now. Train again into it (--resume if its checkpoints are still there), or into another with "
+        f"--set run.name=<new name>")
 
 
 def _describe(info: dict) -> str:
@@ -78,9 +110,11 @@ def hold(run_dir: str | os.PathLike, command: str | None = None) -> Iterator[Pat
         acquired = True
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
+        _HELD[os.path.abspath(run_dir)] = (fd, path)
         yield path
     finally:
         if acquired:
+            _HELD.pop(os.path.abspath(run_dir), None)
             try:
                 os.ftruncate(fd, 0)  # no owner any more (the file stays: removing it would race a new owner)
             except OSError:

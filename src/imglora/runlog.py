@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,46 @@ def progress_line(step: int, total: int, row: dict[str, Any], times: list[float]
            if device.type == "cuda" else "")
     return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
             f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
+
+
+class DivergenceWatch:
+    """Says when the loss is running away (a learning rate far too high, no gradient clipping):
+    the running median of the last ``WINDOW`` logged losses exceeds ``FACTOR`` times its lowest
+    value so far, a lowest counted only once ``MIN_LOGS`` losses were in the window.
+
+    A logged loss is already a mean over the updates since the previous log, but a diffusion loss
+    still varies several-fold with the timesteps drawn; a median ignores a single spike, and a ten
+    times rise of the median is not noise (a healthy run's median moves well within 2x)."""
+
+    WINDOW, MIN_LOGS, FACTOR = 5, 3, 10.0
+    RULE = (f"running median of the last {WINDOW} logged losses above {FACTOR:g}x its lowest value "
+            f"(counted from {MIN_LOGS} logs)")
+
+    def __init__(self) -> None:
+        self.window: deque[float] = deque(maxlen=self.WINDOW)
+        self.lowest: tuple[int, float] | None = None  # (update, median)
+        self.first: dict[str, Any] | None = None  # the first update at which the rule held
+
+    def add(self, step: int, loss: float) -> bool:
+        """Take the loss logged at ``step``; whether the run is diverging there."""
+        self.window.append(loss)
+        median = statistics.median(self.window)
+        if len(self.window) >= self.MIN_LOGS and (self.lowest is None or median < self.lowest[1]):
+            self.lowest = (step, median)
+        diverging = self.lowest is not None and median > self.FACTOR * self.lowest[1] > 0
+        if diverging and self.first is None:
+            self.first = {"step": step, "median_loss": round(median, 6), "lowest_median_loss": round(self.lowest[1], 6),
+                          "lowest_at": self.lowest[0], "rule": self.RULE}
+        return diverging
+
+    def warning(self) -> str:
+        f = self.first or {}
+        return (f"warning: the loss is diverging: at update {f['step']} its running median over the last "
+                f"{self.WINDOW} logs is {f['median_loss']:.4g}, more than {self.FACTOR:g}x its lowest "
+                f"({f['lowest_median_loss']:.4g} at update {f['lowest_at']}). Likely a learning rate too high or "
+                "no gradient clipping (train.max_grad_norm); training goes on, but this adapter is probably "
+                "useless: stop with Ctrl-C (a checkpoint is saved) and train again with a lower "
+                "train.learning_rate.")
 
 
 def plotting() -> Any:

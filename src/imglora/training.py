@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan_budget, record, resume,
-               runlog, telemetry, trackers)
+               runlock, runlog, telemetry, trackers)
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
@@ -122,31 +123,43 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
                 memory_plan=memory_plan, processes=procs, effective_batch=effective)
 
         # -- the loop --------------------------------------------------------------------------
-        accum = cfg.train.grad_accum
-        step = start
         t_loop = time.perf_counter()
-        stages.detail = lambda: oom.step_stage(session.stage, step == start + 1)
-        with _StopFlag() as stop, rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
-            for step in range(start + 1, total + 1):
-                torch.manual_seed(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
-                loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device),
-                          run.loss_sum)
-                run.note_non_finite(step)  # on the device: no .item(), no wait for the device
-                if session.ema is not None and step % cfg.train.ema_every == 0:
-                    session.ema.update(session.params)
-                if procs > 1:
-                    run.agree(stop)  # every process stops at the same update, for the same reason
-                if step % cfg.train.log_every == 0 or step == total or step - start == WARMUP_UPDATES or stop.signal:
-                    run.log(step)  # a sync point, once per log
-                if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
-                    run.validate(step)
-                if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
-                        total, run.last_good_ckpt):
-                    run.checkpoint(step)
-                if stop.signal or run.stop_signal == "budget":
-                    run.stop_signal = run.stop_signal or signal.Signals(stop.signal).name
-                    break
-        return run.finish(step, time.perf_counter() - t_loop, command)
+        stages.detail = lambda: oom.step_stage(session.stage, run.step == start + 1)
+        with _StopFlag(run.last_checkpoint_path, speak=main) as stop:
+            run.stop_flag = stop
+            try:
+                with rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
+                    _loop(run, stop, batcher, rank, procs, device)
+            except _Abandoned:  # a second Ctrl-C during an update: that update is not saved
+                return run.abandon(command)
+            stop.saving = True  # only saving is left: from here on a Ctrl-C never abandons it
+            return run.finish(run.step, time.perf_counter() - t_loop, command)
+
+
+def _loop(run: "_Run", stop: "_StopFlag", batcher: Batcher, rank: int, procs: int, device: torch.device) -> None:
+    """The updates from the start until the last or a stop; ``run.step`` is the one under way."""
+    cfg, session, data, family, accum, total = run.cfg, run.s, run.data, run.family, run.cfg.train.grad_accum, run.total
+    for step in range(run.start + 1, total + 1):
+        run.step = step
+        torch.manual_seed(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
+        loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device), run.loss_sum)
+        run.note_non_finite(step)  # on the device: no .item(), no wait for the device
+        if session.ema is not None and step % cfg.train.ema_every == 0:
+            session.ema.update(session.params)
+        # Several processes decide on the signal they agreed on: one that arrives after the exchange
+        # waits for the next update (acted on at once by one process, the others would wait for it
+        # in a collective it never joins).
+        signalled = run.agree(stop) if procs > 1 else stop.signal
+        if step % cfg.train.log_every == 0 or step == total or step - run.start == WARMUP_UPDATES or signalled:
+            run.log(step)  # a sync point, once per log
+        if data.validation and cfg.eval.every and (step % cfg.eval.every == 0 or step == total):
+            run.validate(step)
+        if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step not in (
+                total, run.last_good_ckpt):
+            run.checkpoint(step)
+        if signalled or run.stop_signal == "budget":
+            run.stop_signal = run.stop_signal or signal.Signals(signalled).name
+            break
 
 
 def _micros(batcher: Batcher, step: int, accum: int, rank: int, procs: int, family: "Family", seed: int,
@@ -177,6 +190,10 @@ class _Run:
         self.config_hash, self.config_dict = cfg.hash(), cfg.to_dict()
         self.log_path = self.run_dir / "log.jsonl"
         self.history = runlog.read(self.log_path, upto=start)
+        self.watch = runlog.DivergenceWatch()  # (fed the resumed rows too: the lowest loss so far counts)
+        for row in self.history:
+            if "loss" in row:
+                self.watch.add(row["step"], row["loss"])
         self.trackers = trackers.start(session.accelerator, cfg, "train") if self.main else None
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
@@ -184,15 +201,18 @@ class _Run:
         self.last_log_t, self.last_log_step = time.perf_counter(), start
         self.paused = 0.0  # seconds since the last log spent saving checkpoints
         self.last_good_ckpt = start
+        self.step = start  # the update under way (the last one done once the loop ends)
+        self.stop_flag: _StopFlag | None = None  # (a save under way is not abandoned by a second Ctrl-C)
         self.stop_signal: str | None = None
         self.projection: economics.Projection | None = None
 
     def note_non_finite(self, step: int) -> None:
         self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(self.loss_sum), step, self.first_bad)
 
-    def agree(self, stop: "_StopFlag") -> None:
+    def agree(self, stop: "_StopFlag") -> int:
         """Several processes: share what any of them saw -- the first non-finite update, a signal,
-        the budget guard's verdict -- so all stop at the same update (one collective per update)."""
+        the budget guard's verdict -- so all stop at the same update (one collective per update).
+        Returns the signal agreed on (0: none), which the loop acts on."""
         flags = torch.stack([self.first_bad, torch.tensor(stop.signal or 0, device=self.device),
                              torch.tensor(int(self.budget_pending), device=self.device)])
         first_bad, sig, budget = distributed.max_all(flags).tolist()
@@ -202,6 +222,7 @@ class _Run:
             stop.signal = sig
         if budget:
             self.stop_signal = "budget"
+        return int(sig)
 
     def log(self, step: int) -> None:
         if self.procs > 1:
@@ -221,8 +242,12 @@ class _Run:
         row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
                "sec_per_update": per_update, "grad_norm": grad_norm, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
+        seen = self.watch.first is not None
+        if self.watch.add(step, loss_value):
+            row["diverging"] = True
         self.history.append(row)
         if self.main:
+            runlock.check_held(self.run_dir, f"at update {step}")  # never recreate a deleted run folder
             runlog.append(self.log_path, row)
         if self.trackers:
             self.trackers.scalars({"train/loss": loss_value, "train/lr": row["lr"], "train/sec_per_update": per_update,
@@ -230,6 +255,8 @@ class _Run:
                                    "train/peak_reserved": mem["peak_reserved"], "train/peak_rss": mem["peak_rss"]},
                                   step)
         self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
+        if self.watch.first is not None and not seen:
+            self.out(self.watch.warning())
         budget = self.cfg.train.budget
         if self.main and self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps \
                 and step < self.total:
@@ -285,7 +312,8 @@ class _Run:
         if not self.main:  # one writer: the processes hold the same adapter and optimizer state
             self.last_good_ckpt = step
             return checkpoint.step_dir(self.run_dir, step)
-        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"):
+        runlock.check_held(self.run_dir, f"at update {step}, before its checkpoint")
+        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"), _saving(self.stop_flag):
             path = checkpoint.save(self.run_dir, step, write_weights=self.write_weights, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
@@ -296,6 +324,21 @@ class _Run:
         self.paused += seconds
         self.last_good_ckpt = step
         return path
+
+    def abandon(self, command: str) -> TrainResult:
+        """A second Ctrl-C stopped the run in the middle of an update: nothing more is saved; the
+        record and the message say which checkpoint is the last and how to continue from it."""
+        kept = self.last_checkpoint_path()
+        self.stop_signal = "SIGINT"
+        if self.trackers:
+            self.trackers.close()
+        self.rec.set(steps_done=self.last_good_ckpt, interrupted=True, abandoned_update=self.step, signal="SIGINT",
+                     last_checkpoint=kept, divergence=self.watch.first, processes=self.procs)
+        rec_path = self.rec.write(status="interrupted") if self.main else None
+        self.out(f"stopped at once by a second Ctrl-C during update {self.step}/{self.total}, which is not saved. "
+                 + (f"The last checkpoint is {kept} (update {self.last_good_ckpt}); continue with: {command} --resume"
+                    if kept else f"No checkpoint had been written yet; start again with: {command}"))
+        return TrainResult(self.run_dir, None, self.last_good_ckpt, True, rec_path, "SIGINT")
 
     def check_finite(self) -> None:
         bad = int(self.first_bad.item())
@@ -313,6 +356,8 @@ class _Run:
         interrupted = self.stop_signal is not None
         t_finish = time.perf_counter()
         self.check_finite()
+        if self.main:
+            runlock.check_held(self.run_dir, f"at update {step}, at the end of the run")
         if step == self.last_good_ckpt and step > self.start:  # already saved at this update
             ckpt_path = checkpoint.step_dir(self.run_dir, step)
         elif step > self.start or not checkpoint.list_checkpoints(self.run_dir):
@@ -346,31 +391,60 @@ class _Run:
             rec.set(projection={**self.projection.to_dict(), "actual_seconds": round(actual, 3),
                                 "error_pct": round(100 * (self.projection.seconds - actual) / actual, 2)})
         session_hours = (time.perf_counter() - self.t_setup) / 3600
+        rec.set(divergence=self.watch.first)  # None: the loss never ran away
         rec.set(signal=self.stop_signal, processes=self.procs, gpu_hours=round(session_hours * self.procs, 5))
         rec_path = rec.write(status="interrupted" if interrupted else "ok") if self.main else None
         if not self.main:
             return TrainResult(self.run_dir, None, step, interrupted, rec_path, self.stop_signal)
         if self.stop_signal == "budget":
             p = self.projection
-            out(f"stopped by the budget guard at update {step}/{self.total}: the session would take "
-                f"{p.text(cfg.train.budget.currency)}; {p.over}. Checkpoint {ckpt_path}.\n"
-                f"To fit: set train.max_steps to {p.fits_steps} or less, pick a faster swap setting "
-                f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`); then "
-                f"`{command} --resume` continues from here.")
+            out(f"{p.stop_advice(cfg.train.budget.currency, step, self.total)}; or pick a faster swap setting "
+                f"(`imglora bench-swap`), or a cheaper or faster GPU (`imglora estimate --offer`).\n"
+                f"Checkpoint {ckpt_path}; `{command} --resume` continues from here.")
         elif interrupted:
             out(f"stopped at update {step}/{self.total}; checkpoint {ckpt_path}. Continue with: {command} --resume")
         else:
             ss = telemetry.steady_state(self.step_times, WARMUP_UPDATES)
             per = f"{ss['median']:.3f} s/update (median after {WARMUP_UPDATES} warm-up updates)" if ss["median"] else ""
-            out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}")
+            diverged = (f" (warning: the loss diverged from update {self.watch.first['step']}; see the warning "
+                        "above)") if self.watch.first else ""
+            out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}{diverged}")
         return TrainResult(self.run_dir, adapter, step, interrupted, rec_path, self.stop_signal)
 
 
-class _StopFlag:
-    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit."""
+class _Abandoned(KeyboardInterrupt):
+    """A second Ctrl-C while an update runs: stop at once, without saving that update."""
 
-    def __init__(self) -> None:
+
+@contextmanager
+def _saving(stop: "_StopFlag | None") -> Iterator[None]:
+    """A checkpoint being written: a Ctrl-C meanwhile is noted, never abandons it."""
+    if stop is None:
+        yield
+        return
+    before, stop.saving = stop.saving, True
+    try:
+        yield
+    finally:
+        stop.saving = before
+
+
+class _StopFlag:
+    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit.
+
+    Ctrl-C is often pressed several times in a row; those within ``REPEAT_S`` of the first count as
+    the same one. A later one while an update still runs stops at once without saving it (raises
+    ``_Abandoned``: the last checkpoint is kept), which the first Ctrl-C's message says. A Ctrl-C
+    while a checkpoint is written never abandons it."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self, last_checkpoint: Callable[[], str | None] = lambda: None, speak: bool = True) -> None:
+        self.speak = speak  # several processes: only the main one says what it does
         self.signal: int | None = None
+        self.saving = False
+        self.last_checkpoint = last_checkpoint
+        self._at = 0.0
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> "_StopFlag":
@@ -379,11 +453,25 @@ class _StopFlag:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out
-        self.signal = signum
-        print(f"\n{signal.Signals(signum).name} received: finishing this update, then saving a checkpoint",
-              file=sys.stderr, flush=True)
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            self.signal, self._at = signum, time.monotonic()
+            kept = self.last_checkpoint()
+            again = (" Press Ctrl-C again, a second or more from now, to stop at once without saving this update"
+                     f" ({f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint has been written yet'})."
+                     if signum == signal.SIGINT else "")
+            self._say(f"\n{name} received: finishing this update, then saving a checkpoint.{again}")
+        elif self.saving:
+            self._say(f"{name} received again: the checkpoint is being written and is not abandoned; it ends in a "
+                      "moment")
+        elif signum == signal.SIGINT and time.monotonic() - self._at >= self.REPEAT_S:
+            raise _Abandoned()
+        else:
+            self._say(f"{name} received again: already stopping after this update, then saving a checkpoint")
+
+    def _say(self, line: str) -> None:
+        if self.speak:
+            print(line, file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():

@@ -415,3 +415,109 @@ def test_too_many_swapped_blocks_refused_before_loading(small, monkeypatch) -> N
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", [*small, "memory.blocks_to_swap=0", "flux.double_blocks_to_swap=5"])
     with pytest.raises(ImgloraError, match=r"flux.double_blocks_to_swap = 5, but the model has only 4"):
         train(cfg, out=quiet)
+
+
+def test_divergence_rule_ignores_spikes_and_noise_and_names_a_runaway_loss() -> None:
+    from imglora.runlog import DivergenceWatch
+
+    healthy = DivergenceWatch()  # a diffusion loss varies 100x between single updates; its median does not
+    noisy = [0.9, 0.004, 0.6, 0.02, 1.1, 0.3, 0.008, 0.7, 0.5, 40.0, 0.4, 0.05, 0.9, 0.3]  # one 40.0 spike
+    assert not any(healthy.add(step, loss) for step, loss in enumerate(noisy, 1)) and healthy.first is None
+    runaway = DivergenceWatch()
+    flags = [runaway.add(step, loss) for step, loss in enumerate([1.15, 1.62, 2084.0, 610.0, 4449.0, 90.0], 1)]
+    assert flags == [False, False, False, True, True, True]
+    assert runaway.first == {"step": 4, "median_loss": 305.81, "lowest_median_loss": 1.62, "lowest_at": 3,
+                             "rule": DivergenceWatch.RULE}
+    assert runaway.warning().startswith("warning: the loss is diverging: at update 4 its running median over the "
+                                        "last 5 logs is 305.8, more than 10x its lowest (1.62 at update 3)")
+
+
+def test_a_diverging_run_is_warned_about_in_the_log_the_output_and_the_record(small) -> None:
+    cfg = load_cfg(small, "train.learning_rate=1.0", "train.max_grad_norm=0", "train.warmup_steps=0",
+                   "train.checkpoint_every=0")
+    lines: list[str] = []
+    result = train(cfg, out=lines.append)
+    warning = [x for x in lines if x.startswith("warning: the loss is diverging: at update ")]
+    assert len(warning) == 1 and "more than 10x its lowest" in warning[0], lines  # once, not at every log
+    rec = json.loads(result.record.read_text())
+    first = rec["divergence"]
+    assert first["median_loss"] > 10 * first["lowest_median_loss"] and first["rule"].startswith("running median")
+    rows = [json.loads(x) for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("diverging")][0] == first["step"]
+    assert f"(warning: the loss diverged from update {first['step']}; see the warning above)" in lines[-1]
+
+
+def test_a_second_ctrl_c_during_an_update_stops_at_once_naming_the_last_checkpoint(small, monkeypatch) -> None:
+    from imglora import loop, training
+
+    cfg = load_cfg(small)
+    real_step, calls = loop.step, []
+
+    def step(*args, **kw):  # Ctrl-C twice, a second apart (REPEAT_S = 0 here), while update 3 runs
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(loop, "step", step)
+    monkeypatch.setattr(training._StopFlag, "REPEAT_S", 0.0)
+    lines: list[str] = []
+    result = train(cfg, command="imglora train x", out=lines.append)
+    kept = cfg.run_dir / "checkpoints" / "step-000002"
+    assert result.interrupted and result.signal == "SIGINT" and result.steps_done == 2 and result.adapter is None
+    assert lines[-1] == (f"stopped at once by a second Ctrl-C during update 3/8, which is not saved. The last "
+                         f"checkpoint is {kept} (update 2); continue with: imglora train x --resume")
+    assert [s for s, _ in checkpoint.list_checkpoints(cfg.run_dir)] == [2]
+    rec = json.loads(result.record.read_text())
+    assert rec["status"] == "interrupted" and rec["abandoned_update"] == 3 and rec["last_checkpoint"] == str(kept)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+
+def test_ctrl_c_pressed_three_times_at_once_still_saves_and_exits_130(small, tmp_path: Path) -> None:
+    overrides = [*[o for o in small if not o.startswith(("train.max_steps", "train.checkpoint"))],
+                 "train.max_steps=400", "train.checkpoint_every=0"]
+    proc = cli(["train", str(PRESET), *set_args(overrides)], start_new_session=True)
+    out = ""
+    for line in proc.stdout:  # wait for two logged updates
+        out += line
+        if "2/400" in line:
+            break
+    # As a user pressing Ctrl-C repeatedly: three SIGINTs to the process group within 0.2 s (apart enough that
+    # Python does not merge them all into one call of the handler while a torch operation runs).
+    for _ in range(3):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.1)
+    out += proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, out
+    assert ("SIGINT received: finishing this update, then saving a checkpoint. Press Ctrl-C again, a second or "
+            "more from now, to stop at once without saving this update (no checkpoint has been written yet)") in out
+    again = ("SIGINT received again: already stopping after this update, then saving a checkpoint",
+             "SIGINT received again: the checkpoint is being written and is not abandoned; it ends in a moment")
+    assert 1 <= sum(out.count(x) for x in again) <= 2, out  # (the run may have ended before the third)
+    steps = [s for s, _ in checkpoint.list_checkpoints(tmp_path / "runs" / "tiny-sdxl")]
+    assert len(steps) == 1 and f"stopped at update {steps[0]}/400; checkpoint " in out and "--resume" in out
+    assert "Aborted!" not in out
+
+
+def test_a_run_folder_deleted_mid_run_stops_the_run_and_is_not_recreated(small, monkeypatch) -> None:
+    import shutil
+
+    from imglora import loop
+    from imglora.runlock import RunFolderGone
+
+    cfg = load_cfg(small)
+    real_step, calls = loop.step, []
+
+    def step(*args, **kw):  # `rm -rf` of the run folder while update 3 runs
+        calls.append(1)
+        if len(calls) == 3:
+            shutil.rmtree(cfg.run_dir)
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(loop, "step", step)
+    with pytest.raises(RunFolderGone, match=r"the run folder .* was deleted, or its lock file \.imglora\.lock removed, "
+                                            r"while this run was writing there \(noticed at update 3\)") as err:
+        train(cfg, out=quiet)
+    assert err.value.exit_code == 4 and len(calls) == 3
+    assert not cfg.run_dir.exists()  # neither the log nor a checkpoint recreated it without its lock

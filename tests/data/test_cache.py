@@ -128,8 +128,12 @@ def test_crash_while_writing_leaves_no_entry(setup, monkeypatch) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
-    with pytest.raises(KeyboardInterrupt):
-        fill(load)
+    from imglora.data.cache import CachingInterrupted
+
+    with pytest.raises(CachingInterrupted, match=r"interrupted while caching: 0 of 6 entries were written and are "
+                                                 r"kept in .*; the rest are encoded next time") as err:
+        fill(load)  # (a Ctrl-C in the middle of writing the first entry)
+    assert err.value.exit_code == 130
     cfg = load()[0]
     leftovers = [p for p in Path(cfg.cache.dir).rglob("*") if p.is_file()]
     assert leftovers == []

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import atomic, devices, record
 from . import text_tokens
+from ..errors import ImgloraError
 from ..hashing import sha256_file
 from ..progress import Progress
 from .buckets import fit_to_bucket
@@ -92,6 +93,20 @@ class FillStats:
     seconds: float = 0.0
     loaded_vae: bool = False
     loaded_text_encoders: bool = False
+    to_encode: int = 0  # entries missing when filling began
+
+
+class CachingInterrupted(ImgloraError):
+    """Ctrl-C while encoding: every entry written so far is complete (renamed into place) and kept."""
+
+    exit_code = 130  # as a shell reports SIGINT
+
+    def __init__(self, stats: FillStats, cache_dir: Path):
+        done = stats.latents_encoded + stats.texts_encoded
+        super().__init__(
+            f"interrupted while caching: {done} of {stats.to_encode} entries were written and are kept in "
+            f"{cache_dir}; the rest are encoded next time" if stats.to_encode else
+            "interrupted while caching, before any entry was encoded; nothing was written")
 
 
 def _key(fields: dict[str, Any]) -> str:
@@ -149,17 +164,27 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
 
 def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
                the_plan: CachePlan | None = None, progress: bool = True) -> tuple[CachePlan, FillStats]:
-    """Encode every missing entry; load the VAE / text encoders only if something is missing."""
+    """Encode every missing entry; load the VAE / text encoders only if something is missing. A
+    Ctrl-C meanwhile raises ``CachingInterrupted``, saying how many entries were kept."""
+    stats = FillStats()
+    try:
+        return _fill_cache(cfg, family, src, device, the_plan, progress, stats)
+    except KeyboardInterrupt:
+        raise CachingInterrupted(stats, Path(cfg.cache.dir)) from None
+
+
+def _fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
+                the_plan: CachePlan | None, progress: bool, stats: FillStats) -> tuple[CachePlan, FillStats]:
     t0 = time.perf_counter()
     the_plan = the_plan or plan(cfg, family, src, device)
     cache = Cache(cfg.cache.dir)
-    stats = FillStats()
     # Existence is enough here: entries are renamed into place only when complete. Readers verify
     # the checksum (training on load, `--verify` on demand) and drop a corrupt entry.
     todo_lat = list({s.key: s for s in the_plan.latents if not cache.has("latents", s.key)}.values())
     todo_txt = [s for s in the_plan.texts.values() if not cache.has("text", s.key)]
     stats.latents_reused = len({s.key for s in the_plan.latents}) - len(todo_lat)
     stats.texts_reused = len(the_plan.texts) - len(todo_txt)
+    stats.to_encode = len(todo_lat) + len(todo_txt)
 
     if todo_lat:
         import torch
