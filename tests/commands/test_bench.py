@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,36 @@ def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_pat
     assert "timeout (unknown)" in r.output and "best: " in r.output
     assert (out / "bench.csv").read_text().splitlines()[0].startswith("setting,status,s/update median")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _ok(setting: str, losses: list[float], device: str = "cpu") -> dict:
+    return {"setting": setting, "status": "ok", "losses": losses, "device": device}
+
+
+def test_losses_of_one_precision_must_agree() -> None:
+    same = bench.loss_agreement([_ok("fp8:0", [1.0, 0.5]), _ok("fp8:18", [1.0, 0.5 * (1 + 5e-5)]),
+                                 _ok("fp32:0", [2.0, 1.0])])
+    assert [(a["reference"], a["setting"], a["agree"]) for a in same] == [("fp8:0", "fp8:18", True)]
+    assert "largest relative difference 5.00e-05 over 2 updates" in same[0]["text"]
+    wrong = bench.loss_agreement([_ok("fp8:0", [1.0, 0.5]), _ok("fp8:18", [1.0, 0.6])])
+    assert not wrong[0]["agree"] and "DIFFER" in wrong[0]["text"]
+    nan = bench.loss_agreement([_ok("fp8:0", [1.0]), _ok("fp8:9", [float("nan")])])
+    assert not nan[0]["agree"]
+    # bf16 autocast on a GPU: within bf16's resolution, not float32's
+    gpu = bench.loss_agreement([_ok("fp8:0", [1.0], "cuda"), _ok("fp8:18", [1.004], "cuda")])
+    assert gpu[0]["agree"] and gpu[0]["rtol"] == pytest.approx(2**-7)
+
+
+def test_a_swapped_setting_trains_the_losses_of_the_unswapped_one() -> None:
+    """The worker records each update's loss; swapping 4 blocks does not change them."""
+    spec = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precision": "fp8", "steps": 2,
+            "warmup": 1, "resolution": 64, "arch": "preset"}
+    a = bench.run_setting({**spec, "blocks": 0})
+    b = bench.run_setting({**spec, "blocks": 4})
+    assert a["status"] == b["status"] == "ok"
+    assert len(a["losses"]) == 3 and all(math.isfinite(x) and x > 0 for x in a["losses"])
+    agreement = bench.loss_agreement([{**a, "setting": "fp8:0"}, {**b, "setting": "fp8:4"}])
+    assert agreement[0]["agree"], agreement
 
 
 def test_counts_the_model_cannot_have_are_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -176,3 +176,29 @@ def test_the_gpu_checks_bench_command_needs_no_data_or_model(small, on_cpu_too, 
     assert r["status"] == "ok", r
     assert r["full_build"]["left_on_host"] == 3 and r["swap"]["swapped_blocks"] == 3
     assert not any(tmp_path.iterdir())  # and writes nothing
+
+
+def test_random_weights_modulate_little_as_a_trained_model_does() -> None:
+    """The adaptive norms' modulation of a randomly built FLUX transformer stays small at FLUX.1's
+    width (a trained FLUX.1's shifts, scales and gates are of order 0.1-1; with the matrices at one
+    they came out near 86, from 3072 positive silu means added up); norm scales one, biases zero."""
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    from imglora.tiny import random_init
+
+    width = 3072  # FLUX.1's: the sum over it is what made the modulation large
+    g = torch.Generator().manual_seed(0)
+    temb = 0.3 * torch.randn(1, width, generator=g)  # the time/guidance/text embedding's scale at this width
+    for cls in (AdaLayerNormZero, AdaLayerNormZeroSingle):
+        with torch.device("meta"):
+            norm = nn.Module()
+            norm.norm1 = cls(width)
+        norm = random_init(norm, torch.float32).norm1
+        assert torch.all(norm.linear.bias == 0)
+        with torch.no_grad():
+            modulation = norm.linear(norm.silu(temb))
+        assert modulation.abs().max() < 1.0, (cls.__name__, float(modulation.abs().max()))
+    rms = nn.Module()
+    with torch.device("meta"):
+        rms.norm_q = nn.RMSNorm(128)
+    assert torch.all(random_init(rms, torch.float32).norm_q.weight == 1)

@@ -110,12 +110,19 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
               "warmup": warmup, "vram_budget": vram_budget, "processes": gpus, "results": results,
               "environment": results[0].get("environment") if results else None}
     report["best"] = best_setting(results, vram_budget)
+    report["loss_agreement"] = loss_agreement(results)
     write_report(report, out_dir)
     out(format_table(report))
+    for line in report["loss_agreement"]:
+        out(f"losses: {line['text']}")
     out(f"best: {report['best']['text']}")
     out(f"written: {out_dir / 'bench.json'}, bench.csv, bench.png")
     if not any(r.get("status") == "ok" for r in results):
         raise ImgloraError(f"no setting finished; each one's output is in its worker.log under {out_dir}")
+    differ = [a["text"] for a in report["loss_agreement"] if not a["agree"]]
+    if differ:
+        raise ImgloraError("settings of one precision trained different losses, so their timings compare different "
+                           f"computations: {'; '.join(differ)} (bench.json: results[].losses)")
     return report
 
 
@@ -201,6 +208,36 @@ def best_setting(results: list[dict[str, Any]], vram_budget: int | None) -> dict
     best = min(fits, key=lambda r: r["sec_per_update"]["median"])
     return {"setting": best["setting"], "text": f"{best['setting']} at {best['sec_per_update']['median']:.3f} "
                                                f"s/update{note}"}
+
+
+# Settings of one precision train the same math on the same weights, seeds and batches (swapping
+# moves bytes, it does not change them), so their per-update losses must agree: to float32 rounding
+# on fp32, and within bf16's resolution (8 bits of mantissa: 2**-8 relative) where the model runs
+# under bf16 autocast -- on CUDA some kernels (attention backward) are not bitwise deterministic.
+LOSS_RTOL = {"fp32": 1e-4, "default": 2**-8 * 2}
+
+
+def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each precision with more than one finished setting: the largest relative difference of
+    each setting's per-update losses from the first's, and whether it is within tolerance."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r.get("status") == "ok" and r.get("losses"):
+            groups.setdefault(r["setting"].split(":")[0], []).append(r)
+    out = []
+    for precision, rs in groups.items():
+        ref = rs[0]
+        rtol = LOSS_RTOL.get(precision, LOSS_RTOL["default"]) if rs[0].get("device") == "cuda" else LOSS_RTOL["fp32"]
+        for r in rs[1:]:
+            pairs = list(zip(ref["losses"], r["losses"]))
+            finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
+            diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
+            ok = finite and diff <= rtol
+            out.append({"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff, "rtol": rtol,
+                        "agree": ok, "text": f"{r['setting']} vs {ref['setting']}: largest relative difference "
+                                             f"{diff:.2e} over {len(pairs)} updates (tolerance {rtol:.1e}): "
+                                             f"{'agree' if ok else 'DIFFER: one of the two paths computes wrongly'}"})
+    return out
 
 
 COLUMNS = ("setting", "status", "s/update median", "p10", "p90", "peak alloc GiB", "peak reserved GiB",
@@ -336,6 +373,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         stage = ""  # from here on the session says where an update is (forward, backward, optimizer)
         times = []
         h2d = []
+        losses = []  # per update: a fast but wrong path shows here (every setting trains the same math)
         loss_sum = torch.zeros((), device=device)
         accum = cfg.train.grad_accum
         for step in range(spec["warmup"] + spec["steps"]):
@@ -347,6 +385,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             devices.synchronize(device)
             times.append(time.perf_counter() - t)
             h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)
+            losses.append(float(loss_sum.item()))  # (after the timed window: .item() waits for the device)
+            loss_sum.zero_()
     except torch.OutOfMemoryError as exc:
         return {**result, "status": "oom", "stage": stage or session.stage, "error": str(exc).splitlines()[0]}
     except ImgloraError as exc:  # e.g. more blocks to swap than the model has
@@ -357,7 +397,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     return {**result, "status": "ok", "stage": "done",
             "sec_per_update": {"median": statistics.median(measured), "mean": statistics.fmean(measured),
                                "p10": q[0], "p90": q[-1], "n": len(measured), "warmup": spec["warmup"]},
-            "all_update_seconds": times, "peak_allocated": mem["peak_allocated"],
+            "all_update_seconds": times, "losses": losses, "peak_allocated": mem["peak_allocated"],
             "peak_reserved": mem["peak_reserved"], "peak_rss": mem["peak_rss"],
             "h2d_bytes_per_update": statistics.fmean(h2d[spec["warmup"]:]) if measured else 0,
             "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8")}
