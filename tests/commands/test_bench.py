@@ -78,21 +78,21 @@ def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_pat
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def _ok(setting: str, losses: list[float], device: str = "cpu") -> dict:
+def _trained(setting: str, losses: list[float], device: str = "cpu") -> dict:
     return {"setting": setting, "status": "ok", "losses": losses, "device": device}
 
 
 def test_losses_of_one_precision_must_agree() -> None:
-    same = bench.loss_agreement([_ok("fp8:0", [1.0, 0.5]), _ok("fp8:18", [1.0, 0.5 * (1 + 5e-5)]),
-                                 _ok("fp32:0", [2.0, 1.0])])
+    same = bench.loss_agreement([_trained("fp8:0", [1.0, 0.5]), _trained("fp8:18", [1.0, 0.5 * (1 + 5e-5)]),
+                                 _trained("fp32:0", [2.0, 1.0])])
     assert [(a["reference"], a["setting"], a["agree"]) for a in same] == [("fp8:0", "fp8:18", True)]
     assert "largest relative difference 5.00e-05 over 2 updates" in same[0]["text"]
-    wrong = bench.loss_agreement([_ok("fp8:0", [1.0, 0.5]), _ok("fp8:18", [1.0, 0.6])])
+    wrong = bench.loss_agreement([_trained("fp8:0", [1.0, 0.5]), _trained("fp8:18", [1.0, 0.6])])
     assert not wrong[0]["agree"] and "DIFFER" in wrong[0]["text"]
-    nan = bench.loss_agreement([_ok("fp8:0", [1.0]), _ok("fp8:9", [float("nan")])])
+    nan = bench.loss_agreement([_trained("fp8:0", [1.0]), _trained("fp8:9", [float("nan")])])
     assert not nan[0]["agree"]
     # bf16 autocast on a GPU: within bf16's resolution, not float32's
-    gpu = bench.loss_agreement([_ok("fp8:0", [1.0], "cuda"), _ok("fp8:18", [1.004], "cuda")])
+    gpu = bench.loss_agreement([_trained("fp8:0", [1.0], "cuda"), _trained("fp8:18", [1.004], "cuda")])
     assert gpu[0]["agree"] and gpu[0]["rtol"] == pytest.approx(2**-7)
 
 
