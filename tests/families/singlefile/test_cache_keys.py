@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 from layouts import write_bfl_flux, write_clip_l, write_flux_ae, write_t5xxl
 from safetensors.torch import load_file, save_file
