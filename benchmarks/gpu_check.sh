@@ -166,14 +166,16 @@ IMGLORA=("$PY" -m imglora)
 
 # module -> pip name; the first seven are imglora's core, the rest what its commands import.
 MODULES="${GPU_CHECK_MODULES:-diffusers transformers peft accelerate optimum.quanto safetensors click psutil matplotlib PIL numpy yaml tqdm huggingface_hub} ${GPU_CHECK_EXTRA_MODULES:-}"
-missing_modules() {  # prints the modules of "$@" that do not import
+missing_modules() {  # prints the modules of "$@" that do not import (on stderr: why, one line each)
     "$PY" - "$@" <<'EOF'
 import importlib, sys
 for name in sys.argv[1:]:
     try:
         importlib.import_module(name)
-    except Exception:
+    except Exception as exc:
         print(name)
+        why = " ".join(str(exc).split())
+        print(f"  {name} does not import: {type(exc).__name__}: {why[:300]}", file=sys.stderr)
 EOF
 }
 pip_name() {

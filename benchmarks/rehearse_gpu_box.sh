@@ -9,7 +9,7 @@
 #   benchmarks/rehearse_gpu_box.sh --pins        # prints the box's versions it pins and exits
 #
 # The venv: REHEARSE_VENV (default .venv-gpubox, git-ignored), from REHEARSE_PYTHON (default: a
-# python3.12 on PATH, else pyenv's newest 3.12). It is rebuilt when the pin list below changes.
+# python3.12 on PATH, else pyenv's newest 3.12); a changed pin list below is installed into it.
 # Exit status: gpu_check.sh's (0: every step ran), 1 when the rehearsal itself could not run or a
 # step did not, 2 on a usage error.
 
@@ -20,7 +20,9 @@ set -uo pipefail
 # psutil, matplotlib, pyyaml and tqdm versions were not read: those this project is tested with.
 PINS=(torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 huggingface_hub==1.33.0 safetensors==0.8.0
       numpy==2.5.2 tokenizers==0.23.2 peft==0.21.2 pillow==13.0.0 click==8.5.1 psutil==7.2.2
-      matplotlib==3.11.2 pyyaml==6.0.4 tqdm==4.70.1 pytest ninja)
+      matplotlib==3.11.2 pyyaml==6.0.4 tqdm==4.70.1 pytest ninja requests regex filelock packaging)
+# (requests, regex, filelock, packaging: on the box, and what diffusers checks for at import; ninja:
+# optimum-quanto's; versions not read there.)
 
 OUTDIR=""
 BUILD_ONLY=0
@@ -49,15 +51,17 @@ find_python() {  # the first Python 3.12 that runs (a pyenv shim on PATH may not
     done
 }
 
-if [ ! -x "$VPY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "${PINS[*]}" ]; then
+if [ ! -x "$VPY" ]; then
     base=$(find_python)
     if [ -z "$base" ]; then
         echo "rehearse: no Python 3.12 here (set REHEARSE_PYTHON, or install python3.12-venv or pyenv's 3.12)" >&2
         exit 1
     fi
-    echo "rehearse: building $VENV from $base ($("$base" --version 2>&1)): ${PINS[*]}"
-    rm -rf "$VENV"
+    echo "rehearse: creating $VENV from $base ($("$base" --version 2>&1))"
     "$base" -m venv "$VENV" || exit 1
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "${PINS[*]}" ]; then  # a changed list updates the venv in place
+    echo "rehearse: installing into $VENV: ${PINS[*]}"
     "$VPY" -m pip install --disable-pip-version-check -q "${PINS[@]}" || { echo "rehearse: pip install failed" >&2; exit 1; }
     echo "${PINS[*]}" > "$STAMP"
 fi
