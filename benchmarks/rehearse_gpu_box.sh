@@ -44,8 +44,9 @@ STAMP=$VENV/imglora-pins.txt
 
 find_python() {  # the first Python 3.12 that runs (a pyenv shim on PATH may not)
     local p
-    for p in ${REHEARSE_PYTHON:-} "$(command -v python3.12 2>/dev/null)" /usr/bin/python3.12 \
-             $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do
+    local pyenv=("${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12)
+    for p in "${REHEARSE_PYTHON:-}" "$(command -v python3.12 2>/dev/null)" /usr/bin/python3.12 \
+             $(printf '%s\n' "${pyenv[@]}" | sort -rV); do
         [ -n "$p" ] && [ -x "$p" ] && "$p" -c 'import sys, venv; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
             && { echo "$p"; return; }
     done

@@ -186,3 +186,14 @@ def test_rehearsal_on_the_gpu_box_stack_with_no_network(tmp_path) -> None:
     assert "installing from" in log and "diffusers-0.42.1-py3-none-any.whl" in log
     assert re.search(r"diffusers 0\.42\.1 from \S*/gpu-check-site\.\w+/diffusers/__init__\.py", log), log[-3000:]
     assert "huggingface-hub 1.33.0" in log
+
+
+@pytest.mark.parametrize("script", ["gpu_wheels.sh", "rehearse_gpu_box.sh"])
+def test_the_box_scripts_parse_and_refuse_unknown_arguments(script) -> None:
+    assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0
+    r = subprocess.run(["bash", str(BENCH / script), "--bogus"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown argument: --bogus" in r.stderr
+    exe = shutil.which("shellcheck")
+    if exe is not None:
+        sc = subprocess.run([exe, str(BENCH / script)], capture_output=True, text=True)
+        assert sc.returncode == 0, sc.stdout
