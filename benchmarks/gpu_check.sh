@@ -21,7 +21,7 @@
 #       and the depth auto would choose, memory.swap_prefetch = 0, the default)
 #   2 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
 #   3 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, the GPU
-#   4 imglora plan (the prediction for the same settings; needs no GPU), if this imglora has it
+#   4 imglora plan (the prediction for the same settings; needs no GPU)
 #   5 benchmarks/gpu_summary.py: each target with PASS / FAIL / NOT MEASURED, the plan's prediction
 #     next to each measured peak; DIR/summary.md is the same in Markdown for docs/benchmarks.md
 #
@@ -167,7 +167,8 @@ IMGLORA=("$PY" -m imglora)
 # module -> pip name; the first seven are imglora's core, the rest what its commands import.
 MODULES="${GPU_CHECK_MODULES:-diffusers transformers peft accelerate optimum.quanto safetensors click psutil matplotlib PIL numpy yaml tqdm huggingface_hub} ${GPU_CHECK_EXTRA_MODULES:-}"
 missing_modules() {  # prints the modules of "$@" that do not import (on stderr: why, one line each)
-    "$PY" - "$@" <<'EOF'
+    local out rc
+    out=$(timeout 120 "$PY" - "$@" <<'EOF'
 import importlib, sys
 for name in sys.argv[1:]:
     try:
@@ -177,6 +178,14 @@ for name in sys.argv[1:]:
         why = " ".join(str(exc).split())
         print(f"  {name} does not import: {type(exc).__name__}: {why[:300]}", file=sys.stderr)
 EOF
+)
+    rc=$?
+    if [ "$rc" -ne 0 ]; then  # a hung or crashed import: none of them counts as importable
+        echo "  the import check of: $* did not finish (exit $rc)" >&2
+        printf '%s\n' "$@"
+    elif [ -n "$out" ]; then
+        printf '%s\n' "$out"
+    fi
 }
 pip_name() {
     case "$1" in optimum.quanto) echo optimum-quanto ;; PIL) echo pillow ;; yaml) echo pyyaml ;;
@@ -236,7 +245,7 @@ if [ "$TORCH_OK" -eq 1 ]; then
     if [ -z "$lib_missing" ]; then
         DEPS_OK=1
         echo "dependencies: all import$([ "$PYTEST_OK" -eq 0 ] && echo ' (but pytest is missing)')"
-        "$PY" -c "
+        timeout 60 "$PY" -c "
 import importlib.metadata as m, importlib.util as u
 for p, mod in (('torch', 'torch'), ('diffusers', 'diffusers'), ('transformers', 'transformers'), ('peft', 'peft'),
                ('accelerate', 'accelerate'), ('optimum-quanto', 'optimum.quanto'), ('safetensors', 'safetensors'),
@@ -308,14 +317,9 @@ fi
 # ------------------------------------------------------------------------------ 4: plan
 if ! wanted plan; then
     skip plan "not in GPU_CHECK_STEPS"
-elif [ "$DEPS_OK" -eq 1 ]; then
-    if timeout 60 "${IMGLORA[@]}" plan --help >/dev/null 2>&1; then
-        run_step plan "$(budget 30)" "${IMGLORA[@]}" plan "$PRESET" --blocks "$BLOCKS" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
-            --json "$OUT/plan.json"
-    else
-        echo "imglora plan not available"
-        skip plan "imglora plan not available"
-    fi
+elif [ "$DEPS_OK" -eq 1 ]; then  # this checkout's imglora, which has the command
+    run_step plan "$(budget 30)" "${IMGLORA[@]}" plan "$PRESET" --blocks "$BLOCKS" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
+        --json "$OUT/plan.json"
 else
     skip plan "needs imglora's dependencies"
 fi
