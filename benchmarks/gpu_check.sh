@@ -1,32 +1,39 @@
 #!/usr/bin/env bash
 # The one-shot GPU check: every figure the FLUX memory path needs from a CUDA machine, in one run of
-# at most 8 minutes, with no download.
+# at most 8 minutes, with no download and no package index (the GPU box has none).
 #
 #   benchmarks/gpu_check.sh [--out DIR]      # on the GPU machine, from the repository root
 #   benchmarks/gpu_check.sh --dry-run        # the same steps on the CPU with the tiny FLUX model
 #
-# Steps (each under `timeout`, its elapsed time printed; the whole run is held to 480 s):
-#   0 environment: nvidia-smi, python, torch and CUDA; how imglora is imported (installed, else
-#     `pip install --no-deps -e .`, else PYTHONPATH=src); the libraries it needs (a missing one is
-#     pip-installed if the network allows it, else named, and the steps that need it are skipped)
-#   1 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, the GPU
+# Before: on a machine with a package index, benchmarks/gpu_wheels.sh fills the git-ignored .whl/
+# with the libraries the box lacks (diffusers, optimum-quanto); bring .whl/ along with the checkout.
+#
+# Steps, in order of value (a GPU window may end early); each under `timeout`, its elapsed time
+# printed; the whole run, wheel install included, is held to 480 s:
+#   0 environment: nvidia-smi, python, torch and CUDA (no CUDA without --dry-run: stop at once);
+#     imglora is this checkout's, through PYTHONPATH=src; a library that does not import is
+#     installed from .whl/ only (pip --no-index --no-deps --target a temporary folder, added to
+#     PYTHONPATH), else named, and the steps that need it are skipped
+#   1 imglora bench-swap presets/flux.toml --arch full --resolution 1024 --blocks fp8:18,fp8:0
+#       --steps 8 --warmup 3 --set memory.swap_prefetch=1 (fp8:18 first; random FLUX.1-dev weights
+#       made on the GPU: no model download; prefetch held at 1 block, the least memory, which the
+#       peak target is about; the result still records each block's measured copy and compute time
+#       and the depth auto would choose, memory.swap_prefetch = 0, the default)
 #   2 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
-#   3 imglora bench-swap presets/flux.toml --arch full --resolution 1024 --blocks fp8:0,fp8:18
-#       --steps 8 --warmup 3 --set memory.swap_prefetch=1 (random FLUX.1-dev weights made on the
-#       GPU: no model download; prefetch held at 1 block, the least memory, which the peak target
-#       is about; the result still records each block's measured copy and compute time and the
-#       depth auto would choose, memory.swap_prefetch = 0, the default)
-#   4 imglora plan (the prediction for the same settings), if this imglora has the command
-#   5 benchmarks/gpu_summary.py: each target with PASS/FAIL, the plan's prediction next to each
-#     measured peak; DIR/summary.md is the same in Markdown for docs/benchmarks.md
+#   3 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, the GPU
+#   4 imglora plan (the prediction for the same settings; needs no GPU)
+#   5 benchmarks/gpu_summary.py: each target with PASS / FAIL / NOT MEASURED, the plan's prediction
+#     next to each measured peak; DIR/summary.md is the same in Markdown for docs/benchmarks.md
 #
 # Everything lands in DIR (default gpu-check-<timestamp>): check.log (all output), steps.tsv,
 # probe.json, pytest-gpu.xml, bench-flux/ (bench.json, .csv, .png, one folder per setting),
 # plan.json, summary.md. Exit status: 0 when every target passes (dry run: when every step ran),
-# 1 otherwise, 2 on a usage error.
+# 1 otherwise (CUDA unavailable without --dry-run: at once), 2 on a usage error.
 #
-# Environment: PYTHON (default python, else python3); GPU_CHECK_PIP=0 never runs pip;
-# GPU_CHECK_EXTRA_MODULES="a b" adds modules to the dependency check (tests use it).
+# Environment: PYTHON (default: the first of python3, python that has torch); GPU_CHECK_PIP=0 never
+# runs pip (no wheel install); GPU_CHECK_WHEELS (default .whl); GPU_CHECK_STEPS (default "bench
+# pytest probe plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
+# dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds).
 
 set -u
 
@@ -34,7 +41,7 @@ TOTAL=480          # seconds for the whole check
 RESERVE=30         # of which kept for the summary
 DRY=0
 OUT=""
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
@@ -58,8 +65,16 @@ exec > >(tee -a "$OUT/check.log") 2>&1
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONUNBUFFERED=1
 START=$SECONDS
-PY=${PYTHON:-python}
-command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+else  # the python that holds torch: on the GPU box a plain python3
+    PY=python3
+    for c in python3 python; do
+        if command -v "$c" >/dev/null 2>&1 && "$c" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" 2>/dev/null; then
+            PY=$c; break
+        fi
+    done
+fi
 
 elapsed() { echo $((SECONDS - START)); }
 record() {  # step status rc seconds note
@@ -93,6 +108,8 @@ run_step() {  # step seconds command... : runs it under timeout, prints and reco
     return "$rc"
 }
 NOTE=""
+WANTED=" ${GPU_CHECK_STEPS:-bench pytest probe plan} "
+wanted() { case "$WANTED" in *" $1 "*) return 0 ;; esac; return 1; }
 
 if [ "$DRY" -eq 1 ]; then
     echo "gpu_check: DRY RUN on the CPU (tiny FLUX model): every step runs, no GPU figure is measured"
@@ -115,51 +132,91 @@ else
 fi
 echo "python: $(command -v "$PY") ($("$PY" --version 2>&1))"
 TORCH_OK=0
-if timeout 60 "$PY" -c "import torch; print('torch', torch.__version__, '| built for CUDA', torch.version.cuda, '| CUDA available:', torch.cuda.is_available())"; then
+CUDA_OK=0
+torch_info=$(timeout 60 "$PY" -c "import torch; print('torch', torch.__version__, '| built for CUDA', torch.version.cuda, '| CUDA available:', torch.cuda.is_available())" 2>&1)
+torch_rc=$?
+echo "$torch_info" | tail -5
+if [ "$torch_rc" -eq 0 ]; then
     TORCH_OK=1
+    case "$torch_info" in *"CUDA available: True"*) CUDA_OK=1 ;; esac
 else
     echo "MISSING: torch is not importable with $PY; only the summary can run"
 fi
+if [ "$DRY" -eq 0 ] && [ "$CUDA_OK" -eq 0 ]; then
+    # Nothing here could measure a GPU figure; going on would build the 12B model on the host.
+    if [ "$TORCH_OK" -eq 1 ]; then why="torch sees no CUDA device ($(echo "$torch_info" | tail -1))"
+    else why="torch is not importable with $PY"; fi
+    echo "gpu_check: STOPPED: CUDA is not available: $why. Run it on a CUDA machine, or rehearse the steps on the CPU with --dry-run"
+    record env stopped 1 "$((SECONDS - t0))" "CUDA not available: $why"
+    exit 1
+fi
 
-# Which imglora: this checkout's. An imglora installed from elsewhere is shadowed with PYTHONPATH
-# (never reinstalled over); none at all is installed from here without dependencies if pip can.
+# Which imglora: this checkout's, always, through PYTHONPATH (nothing is installed into the python;
+# an installed imglora is shadowed, never reinstalled over).
+export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 here="$REPO/src/imglora"
-where_imglora() { "$PY" -c "import imglora, os; print(os.path.realpath(os.path.dirname(imglora.__file__)))" 2>/dev/null; }
-found=$(where_imglora)
+found=$("$PY" -c "import imglora, os; print(os.path.realpath(os.path.dirname(imglora.__file__)))" 2>/dev/null)
 if [ "$found" = "$(realpath "$here")" ]; then
-    echo "imglora: imported from this checkout ($found)"
-elif [ -n "$found" ]; then
-    export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
-    echo "imglora: the installed one is $found; using this checkout's through PYTHONPATH=$REPO/src"
+    echo "imglora: this checkout's, through PYTHONPATH=$REPO/src"
 else
-    if [ "$DRY" -eq 0 ] && [ "${GPU_CHECK_PIP:-1}" != 0 ]; then
-        echo "imglora: not importable; pip install --no-deps --no-build-isolation -e ."
-        timeout 60 "$PY" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e . \
-            || echo "pip install -e . failed"
-    fi
-    if [ "$(where_imglora)" != "$(realpath "$here")" ]; then
-        export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
-        echo "imglora: using this checkout through PYTHONPATH=$REPO/src"
-    fi
+    echo "imglora: PYTHONPATH=$REPO/src does not give this checkout's imglora (got: ${found:-none})"
 fi
 # `python -m imglora` rather than the `imglora` script: it works with PYTHONPATH too.
 IMGLORA=("$PY" -m imglora)
 
 # module -> pip name; the first seven are imglora's core, the rest what its commands import.
-MODULES="diffusers transformers peft accelerate optimum.quanto safetensors click psutil matplotlib PIL numpy yaml tqdm huggingface_hub ${GPU_CHECK_EXTRA_MODULES:-}"
-missing_modules() {  # prints the modules of "$@" that do not import
-    "$PY" - "$@" <<'EOF'
+MODULES="${GPU_CHECK_MODULES:-diffusers transformers peft accelerate optimum.quanto safetensors click psutil matplotlib PIL numpy yaml tqdm huggingface_hub} ${GPU_CHECK_EXTRA_MODULES:-}"
+missing_modules() {  # prints the modules of "$@" that do not import (on stderr: why, one line each)
+    local out rc
+    out=$(timeout 120 "$PY" - "$@" <<'EOF'
 import importlib, sys
 for name in sys.argv[1:]:
     try:
         importlib.import_module(name)
-    except Exception:
+    except Exception as exc:
         print(name)
+        why = " ".join(str(exc).split())
+        print(f"  {name} does not import: {type(exc).__name__}: {why[:300]}", file=sys.stderr)
 EOF
+)
+    rc=$?
+    if [ "$rc" -ne 0 ]; then  # a hung or crashed import: none of them counts as importable
+        echo "  the import check of: $* did not finish (exit $rc)" >&2
+        printf '%s\n' "$@"
+    elif [ -n "$out" ]; then
+        printf '%s\n' "$out"
+    fi
 }
 pip_name() {
     case "$1" in optimum.quanto) echo optimum-quanto ;; PIL) echo pillow ;; yaml) echo pyyaml ;;
         huggingface_hub) echo huggingface-hub ;; *) echo "$1" ;; esac
+}
+WHEELS=${GPU_CHECK_WHEELS:-$REPO/.whl}
+wheels_for() {  # the wheels in $WHEELS of the pip names "$@" (wheel names: lower case, '_' for '-')
+    local f dist n
+    for f in "$WHEELS"/*.whl; do
+        [ -f "$f" ] || continue
+        dist=$(basename "$f" | cut -d- -f1 | tr 'A-Z.-' 'a-z__')
+        for n in "$@"; do
+            [ "$dist" = "$(echo "$n" | tr 'A-Z.-' 'a-z__')" ] && echo "$f"
+        done
+    done
+}
+install_wheels() {  # pip names -> installs their wheels from $WHEELS, offline, into a temporary folder
+    local files site
+    mapfile -t files < <(wheels_for "$@")
+    if [ "${#files[@]}" -eq 0 ]; then
+        echo "no wheel in $WHEELS for:$(printf ' %s' "$@")"
+        return 1
+    fi
+    site=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-site.XXXXXX") || return 1
+    echo "installing from $WHEELS (no index, no dependencies) into $site:$(printf ' %s' "${files[@]##*/}")"
+    if ! timeout 120 "$PY" -m pip install --disable-pip-version-check --quiet --no-index --no-deps \
+            --no-compile --no-cache-dir --target "$site" "${files[@]}"; then
+        echo "pip install from $WHEELS failed"
+        return 1
+    fi
+    export PYTHONPATH="$REPO/src:$site${PYTHONPATH#"$REPO/src"}"
 }
 DEPS_OK=0
 PYTEST_OK=0
@@ -170,20 +227,16 @@ if [ "$TORCH_OK" -eq 1 ]; then
     missing=${missing% }
     if [ -n "$missing" ]; then
         echo "missing Python modules: $missing"
-        pkgs=""
-        for m in $missing; do pkgs="$pkgs $(pip_name "$m")"; done
-        if [ "$DRY" -eq 1 ] || [ "${GPU_CHECK_PIP:-1}" = 0 ]; then
-            echo "not running pip ($([ "$DRY" -eq 1 ] && echo 'dry run' || echo 'GPU_CHECK_PIP=0')): would install$pkgs"
+        pkgs=()
+        for m in $missing; do pkgs+=("$(pip_name "$m")"); done
+        if [ "${GPU_CHECK_PIP:-1}" = 0 ]; then
+            echo "not running pip (GPU_CHECK_PIP=0): would install from $WHEELS:$(printf ' %s' "${pkgs[@]}")"
+        elif ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+            echo "no wheels in $WHEELS: run benchmarks/gpu_wheels.sh on a machine with a package index first, then bring .whl/ here with the checkout"
         else
-            # The installed torch stays: a dependency must not replace the CUDA build.
-            constraint=$OUT/torch-constraint.txt
-            "$PY" -c "import torch; print('torch==' + torch.__version__)" > "$constraint"
-            echo "pip install$pkgs (torch held at $(cat "$constraint"))"
-            # shellcheck disable=SC2086
-            timeout 90 "$PY" -m pip install --disable-pip-version-check --retries 0 --timeout 10 \
-                -c "$constraint" $pkgs || echo "pip install failed (offline?)"
-            # shellcheck disable=SC2086
-            missing=$(missing_modules $MODULES pytest | tr '\n' ' ')
+            install_wheels "${pkgs[@]}"
+            # shellcheck disable=SC2086  # only those that were missing: imports take seconds each
+            missing=$(missing_modules $missing | tr '\n' ' ')
             missing=${missing% }
         fi
     fi
@@ -192,14 +245,17 @@ if [ "$TORCH_OK" -eq 1 ]; then
     if [ -z "$lib_missing" ]; then
         DEPS_OK=1
         echo "dependencies: all import$([ "$PYTEST_OK" -eq 0 ] && echo ' (but pytest is missing)')"
-        "$PY" -c "
-import importlib.metadata as m
-for p in ('diffusers', 'transformers', 'peft', 'accelerate', 'optimum-quanto', 'safetensors'):
-    try: print(' ', p, m.version(p))
-    except m.PackageNotFoundError: print(' ', p, '(no metadata)')
+        timeout 60 "$PY" -c "
+import importlib.metadata as m, importlib.util as u
+for p, mod in (('torch', 'torch'), ('diffusers', 'diffusers'), ('transformers', 'transformers'), ('peft', 'peft'),
+               ('accelerate', 'accelerate'), ('optimum-quanto', 'optimum.quanto'), ('safetensors', 'safetensors'),
+               ('huggingface-hub', 'huggingface_hub')):
+    try: v = m.version(p)
+    except m.PackageNotFoundError: v = '(no metadata)'
+    print(' ', p, v, 'from', u.find_spec(mod).origin)  # where it imports from, without importing it again
 " || true
     else
-        echo "MISSING (could not install): $lib_missing -- the pytest, bench-swap and plan steps are skipped"
+        echo "MISSING (could not install): $lib_missing -- the bench-swap, pytest and plan steps are skipped"
     fi
 fi
 env_note="python $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null)"
@@ -211,36 +267,24 @@ record env ok 0 "$((SECONDS - t0))" "$env_note"
 
 if [ "$DRY" -eq 1 ]; then
     PRESET=presets/tiny-flux.toml
-    BLOCKS=fp8:0,fp8:4
+    BLOCKS=fp8:4,fp8:0  # the swapped setting first, as on the GPU
     SWAPPED=fp8:4
     BENCH_ARGS=(--steps 2 --warmup 1)
     SIZE_ARGS=()  # the preset's resolution
     SUMMARY_ARGS=(--dry-run --swapped "$SWAPPED")
 else
     PRESET=presets/flux.toml
-    BLOCKS=fp8:0,fp8:18
+    BLOCKS=fp8:18,fp8:0  # fp8:18 first: the targets are about it
     SWAPPED=fp8:18
     BENCH_ARGS=(--arch full --steps 8 --warmup 3)
     SIZE_ARGS=(--resolution 1024)
     SUMMARY_ARGS=(--swapped "$SWAPPED")
 fi
 
-# ------------------------------------------------------------------------------ 1: probe
-if [ "$TORCH_OK" -eq 1 ]; then
-    run_step probe "$(budget 50)" "$PY" benchmarks/gpu_probe.py --out "$OUT/probe.json"
-else
-    skip probe "torch is not importable"
-fi
-
-# ------------------------------------------------------------------------------ 2: GPU tests
-if [ "$DEPS_OK" -eq 1 ] && [ "$PYTEST_OK" -eq 1 ]; then
-    run_step pytest "$(budget 100)" "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
-else
-    skip pytest "needs pytest and imglora's dependencies"
-fi
-
-# ------------------------------------------------------------------------------ 3: bench-swap
-if [ "$DEPS_OK" -eq 1 ]; then
+# ------------------------------------------------------------------------------ 1: bench-swap
+if ! wanted bench; then
+    skip bench "not in GPU_CHECK_STEPS"
+elif [ "$DEPS_OK" -eq 1 ]; then
     t=$(budget 240)
     # Each setting gets its share, so a slow one cannot take the other's result with it
     # (bench.json is written at the end; finished settings also leave setting-N/result.json).
@@ -252,15 +296,30 @@ else
     skip bench "needs imglora's dependencies"
 fi
 
+# ------------------------------------------------------------------------------ 2: GPU tests
+if ! wanted pytest; then
+    skip pytest "not in GPU_CHECK_STEPS"
+elif [ "$DEPS_OK" -eq 1 ] && [ "$PYTEST_OK" -eq 1 ]; then
+    run_step pytest "$(budget 100)" "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
+else
+    skip pytest "needs pytest and imglora's dependencies"
+fi
+
+# ------------------------------------------------------------------------------ 3: probe
+if ! wanted probe; then
+    skip probe "not in GPU_CHECK_STEPS"
+elif [ "$TORCH_OK" -eq 1 ]; then
+    run_step probe "$(budget 50)" "$PY" benchmarks/gpu_probe.py --out "$OUT/probe.json"
+else
+    skip probe "torch is not importable"
+fi
+
 # ------------------------------------------------------------------------------ 4: plan
-if [ "$DEPS_OK" -eq 1 ]; then
-    if timeout 60 "${IMGLORA[@]}" plan --help >/dev/null 2>&1; then
-        run_step plan "$(budget 30)" "${IMGLORA[@]}" plan "$PRESET" --blocks "$BLOCKS" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
-            --json "$OUT/plan.json"
-    else
-        echo "imglora plan not available"
-        skip plan "imglora plan not available"
-    fi
+if ! wanted plan; then
+    skip plan "not in GPU_CHECK_STEPS"
+elif [ "$DEPS_OK" -eq 1 ]; then  # this checkout's imglora, which has the command
+    run_step plan "$(budget 30)" "${IMGLORA[@]}" plan "$PRESET" --blocks "$BLOCKS" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
+        --json "$OUT/plan.json"
 else
     skip plan "needs imglora's dependencies"
 fi
