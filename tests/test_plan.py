@@ -160,3 +160,18 @@ def test_a_size_of_zero_or_less_exits_2_naming_the_option_and_value(command: str
     with pytest.raises(ImgloraError, match=f"^{option} '{value}': a size must be"):
         parse_size(value, option)
     assert parse_size("0.5GB", option) == 2**29
+
+
+def test_the_flux_preset_keeps_its_memory_promise_as_shipped() -> None:
+    """presets/flux.toml is planned within 10 GiB at prefetch depth 1; auto (0) would add slots on a
+    card with room, so the preset holds the depth, and the tuner only measures and reports."""
+    import torch
+
+    from imglora.memory.wrap import prefetch_tuner
+
+    cfg = load_config(REPO / "presets" / "flux.toml", [])
+    assert cfg.memory.swap_prefetch == 1 and cfg.memory.blocks_to_swap == 18 and cfg.memory.fp8
+    tuner = prefetch_tuner(cfg, torch.device("cuda"), setup=None, out=lambda s: None)
+    assert tuner is not None and tuner.grow is False
+    auto = load_config(REPO / "presets" / "flux.toml", ["memory.swap_prefetch=0"])
+    assert prefetch_tuner(auto, torch.device("cuda"), setup=None, out=lambda s: None).grow is True
