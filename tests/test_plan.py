@@ -160,3 +160,38 @@ def test_a_size_of_zero_or_less_exits_2_naming_the_option_and_value(command: str
     with pytest.raises(ImgloraError, match=f"^{option} '{value}': a size must be"):
         parse_size(value, option)
     assert parse_size("0.5GB", option) == 2**29
+
+
+def test_the_flux_preset_keeps_its_memory_promise_as_shipped() -> None:
+    """presets/flux.toml is planned within 10 GiB at prefetch depth 1; auto (0) would add slots on a
+    card with room, so the preset holds the depth, and the tuner only measures and reports."""
+    import torch
+
+    from imglora.memory.wrap import prefetch_tuner
+
+    cfg = load_config(REPO / "presets" / "flux.toml", [])
+    assert cfg.memory.swap_prefetch == 1 and cfg.memory.blocks_to_swap == 18 and cfg.memory.fp8
+    tuner = prefetch_tuner(cfg, torch.device("cuda"), setup=None, out=lambda s: None)
+    assert tuner is not None and tuner.grow is False
+    auto = load_config(REPO / "presets" / "flux.toml", ["memory.swap_prefetch=0"])
+    assert prefetch_tuner(auto, torch.device("cuda"), setup=None, out=lambda s: None).grow is True
+
+
+def test_host_ram_counts_pinned_rounding_and_the_cuda_libraries() -> None:
+    """Checkpoint boundaries are counted as pinned memory holds them (the caching host allocator
+    rounds each up to a power of two), and a CUDA process's libraries get their own (estimated) term."""
+    from imglora.memory.offload import pinned_bytes
+
+    assert [pinned_bytes(n) for n in (0, 1, 3 << 20, 24 << 20, 32 << 20, (32 << 20) + 1)] == \
+        [0, 1, 4 << 20, 32 << 20, 32 << 20, 64 << 20]
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", ["memory.gradient_checkpointing=true",
+                                                              "memory.offload_checkpoints=true"])
+    prof = plan.profile(family_of(cfg), None, cfg, torch.bfloat16, torch.bfloat16, 1024)
+    assert prof.checkpoint_inputs and len(prof.checkpoint_pinned) == len(prof.checkpoint_inputs)
+    assert all(p >= n for p, n in zip(prof.checkpoint_pinned, prof.checkpoint_inputs))
+    assert sum(prof.checkpoint_pinned) > sum(prof.checkpoint_inputs)  # these sizes are not powers of two
+    p = plan.predict(cfg, family_of(cfg), [plan.Setting("fp8", 4)], device_kind="cuda", src=None,
+                     resolution=1024, profiles=None).settings[0]
+    assert p.term("host_checkpoints") == sum(prof.checkpoint_pinned)
+    assert p.term("host_cuda") == plan.CUDA_HOST_ESTIMATE
+    assert p.host_peak >= p.term("host_cuda") + p.term("host_swapped") + p.term("host_checkpoints")

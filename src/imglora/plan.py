@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 CUDA_CONTEXT = int(0.5 * GiB)  # CUDA context and kernels: outside the allocator, assumed for "fits"
+# Host memory a CUDA process holds beyond what `plan` measures of itself (it does not initialise
+# CUDA): the runtime, cuBLAS/cuBLASLt, cuDNN and NCCL loaded, the context's host side and kernel
+# images. A desk estimate (2.5 GiB), not yet measured on a GPU box: gpu_check records host RSS.
+CUDA_HOST_ESTIMATE = int(2.5 * GiB)
 ALLOCATOR_MARGIN = 1.05  # reserved / allocated: the caching allocator's rounding and fragmentation
 
 
@@ -119,6 +123,7 @@ class Profile:
     model: torch.nn.Module  # the meta model with LoRA (for the weight terms)
     dtype: torch.dtype
     text_encoders: int = 0  # frozen bytes of the text encoders trained with the adapter (lora.text_encoder)
+    checkpoint_pinned: list[int] | None = None  # checkpoint_inputs as pinned host memory holds them (rounded)
 
 
 def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
@@ -154,7 +159,7 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
             p.grad = None
     return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
                    lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs),
-                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()))
+                   checkpoint_pinned=list(ac.checkpoint_pinned), text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,6 +234,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         raise ImgloraError(f"imglora plan does not know the {family.name} family's architecture yet")
     resolution = resolution or cfg.data.max_resolution
     cuda = device_kind == "cuda"
+    # a process that has not initialised CUDA has not measured its libraries' host memory
+    cuda_host = CUDA_HOST_ESTIMATE if cuda and not torch.cuda.is_initialized() else 0
     mp = cfg.train.mixed_precision
     autocast_on = cuda and mp != "no"
     plans: list[SettingPlan] = []
@@ -280,10 +287,12 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             dequant = 2 * max(model.get_submodule(n).weight.numel() for n in quantized) * \
                 (torch.finfo(prof.dtype).bits // 8)
         act_extra = prof.peak - prof.saved
-        offloaded = 0
+        offloaded = offloaded_pinned = 0
         if cuda and cfg.memory.offload_checkpoints and cfg.memory.gradient_checkpointing and prof.checkpoint_inputs:
-            # the boundaries go to pinned host memory; one block's come back for its recompute
+            # the boundaries go to pinned host memory (rounded up there: offload.pinned_bytes); one
+            # block's come back for its recompute
             offloaded = sum(prof.checkpoint_inputs)
+            offloaded_pinned = sum(prof.checkpoint_pinned or prof.checkpoint_inputs)
             act_extra += max(prof.checkpoint_inputs)
         saved = prof.saved - offloaded
         dev = "device" if cuda else "host"
@@ -324,15 +333,17 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             setup = load_block + swapped if streams else frozen_bytes(model, set())
             per = f" (x {processes} processes)" if processes > 1 else ""
             terms += [Term("host_swapped", f"swapped blocks in pinned host memory{per}", swapped * processes, "host"),
-                      Term("host_checkpoints", f"checkpoint boundaries in pinned host memory{per}",
-                           offloaded * processes, "host"),
+                      Term("host_checkpoints", f"checkpoint boundaries in pinned host memory, as the caching host "
+                           f"allocator rounds them (powers of two){per}", offloaded_pinned * processes, "host"),
                       Term("host_setup", f"set-up peak on top: {setup_note}{per}",
-                           max(0, setup - swapped - offloaded) * processes, "host"),
+                           max(0, setup - swapped - offloaded_pinned) * processes, "host"),
                       Term("host_process", f"this process (Python, torch, libraries; measured now){per}",
-                           process_rss * processes, "host")]
+                           process_rss * processes, "host"),
+                      Term("host_cuda", f"CUDA runtime and libraries in host memory (an estimate, not yet measured)"
+                           f"{per}", cuda_host * processes, "host")]
             # each data-parallel process holds its own swapped blocks and boundaries, and reads its
             # own copy of the model at set-up
-            host_peak = processes * (process_rss + max(setup, swapped + offloaded))
+            host_peak = processes * (process_rss + cuda_host + max(setup, swapped + offloaded_pinned))
         else:
             host_peak = device_peak + process_rss
         plans.append(SettingPlan(s, terms, device_peak, host_peak, phase))

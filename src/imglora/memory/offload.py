@@ -28,6 +28,13 @@ from torch.utils.checkpoint import checkpoint
 MIN_BYTES = 1 << 20
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned copy of ``nbytes`` takes: PyTorch's caching host allocator (behind
+    ``.to("cpu", non_blocking=True)`` and ``pin_memory``) rounds every block up to a power of two,
+    so FLUX.1's 24 MiB boundaries at 1024 px take 32 MiB each."""
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
 class OffloadingCheckpoint:
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
         self.min_bytes = min_bytes
