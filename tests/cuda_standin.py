@@ -173,6 +173,9 @@ class AsyncCuda(FakeCuda):
                  total_memory: int = 24 * 2**30) -> None:
         super().__init__(register_rc)
         fake = self
+        # A failed runtime call is also CUDA's "last error" until cudaGetLastError reads it; PyTorch
+        # checks that after every kernel launch, so the next kernel raises it (issue 22, defect 1).
+        self.last_error: int | None = None
         self.rng = random.Random(fuzz) if fuzz is not None else None
         self.max_latency = max_latency
         self.violations: list[str] = []
@@ -253,6 +256,13 @@ class AsyncCuda(FakeCuda):
                 rc = base_cudart.cudaHostRegister(ptr, size, flags)
                 if rc == 0:
                     fake.host[ptr] = "registered"
+                else:
+                    fake.last_error = rc
+                return rc
+
+            @staticmethod
+            def cudaGetLastError():
+                rc, fake.last_error = fake.last_error or 0, None
                 return rc
 
             @staticmethod
@@ -400,6 +410,9 @@ class AsyncCuda(FakeCuda):
                 for t in _leaves(out):
                     self.history.pop(_key(t), None)
             return out
+        if self.last_error is not None and name not in _COPIES:
+            raise RuntimeError(f"CUDA error: error {self.last_error} (raised by the first kernel after a failed "
+                               "runtime call: CUDA's last error was never cleared)")
         schema_args = func._schema.arguments
         reads, writes = [], []
         flat = list(zip(schema_args, args)) + [(a, kwargs[a.name]) for a in schema_args if a.name in kwargs]

@@ -74,6 +74,20 @@ def test_flux_swap_on_the_cuda_path_orders_every_copy(standin, fuzz) -> None:
     assert (fake.landed_early > 0) == (fuzz is not None)
 
 
+@pytest.mark.parametrize("fuzz", [None, 4])
+@pytest.mark.parametrize("ckpt", [None, "nonreentrant", "reentrant"])
+def test_toy_every_checkpoint_mode(standin, ckpt, fuzz) -> None:
+    """Without checkpointing (saved weight views rebuilt on their slot), and both checkpoint kinds."""
+    batches = toy_batches(2)
+    ref = train(build_toy(ckpt, fp8=True), batches, toy_loss)
+    fake = standin(fuzz=fuzz)
+    model, sw = installed(lambda: build_toy(ckpt, fp8=True), TOY[1], fake, depth=1)
+    with fake.active():
+        got = train(model, batches, toy_loss, sw)
+    assert_same_training(ref, got)
+    assert fake.violations == [] and sw.stats.loads > sw.stats.slots
+
+
 @pytest.mark.parametrize("fuzz", [None, 3])
 def test_toy_with_the_tuner_growing_the_slots(standin, fuzz) -> None:
     """Three updates: update 2 is measured on the stand-in's clock, slots are added before update 3."""
@@ -177,3 +191,16 @@ def test_a_block_run_from_host_memory_is_caught(standin, monkeypatch) -> None:
     assert any("reads registered host memory as a kernel argument (a device mismatch on a GPU" in v
                for v in fake.violations), fake.violations
     fake.violations.clear()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22 defect 1: a failed cudaHostRegister leaves CUDA's last error set, "
+                   "so the first kernel after the fallback raises it")
+def test_a_failed_host_register_does_not_poison_the_next_kernel(standin) -> None:
+    """cudaHostRegister fails (a low locked-memory limit): the engine falls back to the pinned
+    allocator, and the first kernel must not raise the stale error."""
+    build, blocks_of, batches_of, loss = TOY
+    fake = standin(register_rc=2)
+    model, sw = installed(build, blocks_of, fake, depth=1)
+    assert set(fake.host.values()) == {"pinned"} and sw.stats.pinned
+    with fake.active():
+        train(model, batches_of(1), loss, sw)
