@@ -9,13 +9,14 @@ without gradient checkpointing, with and without fp8 weights).
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch import nn
+
+from cuda_standin import FakeCuda  # noqa: F401 - test_swap_tune imports it from here
 
 from imglora.families.flux.swap import kohya_split
 from imglora.memory import BlockSwapper, SwapEvent, quantize_fp8, swap_mask, to_device
@@ -398,65 +399,6 @@ def test_frozen_params_point_into_slots_while_running() -> None:
     toy_loss(m, toy_batches(1)[0], sw).backward()
     assert seen and all(seen)
     assert sw.resident() and len(sw.resident()) <= sw.stats.slots
-
-
-class FakeCuda:
-    """A recording stand-in for torch.cuda's streams, events and cudart (see its tests)."""
-
-    def __init__(self, register_rc: int = 0) -> None:
-        self.log: list[tuple] = []
-        self.registered: set[int] = set()
-        self.register_rc = register_rc
-        fake = self
-
-        class Event:
-            def record(self, stream):
-                fake.log.append(("record", self, stream))
-
-        class Stream:
-            def __init__(self, device=None, name: str = "copy") -> None:
-                self.name = name
-
-            def wait_event(self, event) -> None:
-                fake.log.append(("wait", self, event))
-
-            def wait_stream(self, other) -> None:
-                fake.log.append(("wait_stream", self, other))
-
-        class Cudart:
-            @staticmethod
-            def cudaHostRegister(ptr, size, flags):
-                assert ptr not in fake.registered and size > 0 and flags == 1
-                if fake.register_rc == 0:
-                    fake.registered.add(ptr)
-                return fake.register_rc
-
-            @staticmethod
-            def cudaHostUnregister(ptr):
-                fake.registered.remove(ptr)
-                return 0
-
-        self.Event, self.Stream, self.Cudart = Event, Stream, Cudart
-        self.compute = Stream(name="compute")
-        self.current = [self.compute]
-
-    @contextmanager
-    def stream(self, s):
-        self.current.append(s)
-        try:
-            yield
-        finally:
-            self.current.pop()
-
-    def install(self, monkeypatch) -> None:
-        import peft  # noqa: F401 - imported before torch.cuda is patched (it inspects torch.cuda types)
-
-        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
-        monkeypatch.setattr(torch.cuda, "Event", self.Event)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current[-1])
-        monkeypatch.setattr(torch.cuda, "stream", self.stream)
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.log.append(("synchronize",)))
-        monkeypatch.setattr(torch.cuda, "cudart", lambda: self.Cudart)
 
 
 def test_cuda_ordering_with_a_fake_stream_api(monkeypatch) -> None:
