@@ -23,6 +23,17 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    # A shell that starts a command in the background without job control (`cmd &` in a script, some CI
+    # runners) starts it with SIGINT ignored, and an ignored signal stays ignored in every process it
+    # starts: the Ctrl-C tests would then test nothing. Give the test process Python's own handler, so the
+    # processes the tests start get the default disposition, as under a terminal.
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="also run the tests marked slow (CI does; the default run skips them)")

@@ -186,12 +186,13 @@ def test_host_ram_counts_pinned_rounding_and_the_cuda_libraries() -> None:
         [0, 1, 4 << 20, 32 << 20, 32 << 20, 64 << 20]
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", ["memory.gradient_checkpointing=true",
                                                               "memory.offload_checkpoints=true"])
-    prof = plan.profile(family_of(cfg), None, cfg, torch.bfloat16, torch.bfloat16, 1024)
+    profiles: dict = {}
+    p = plan.predict(cfg, family_of(cfg), [plan.Setting("fp8", 4)], device_kind="cuda", src=None,
+                     resolution=1024, profiles=profiles).settings[0]
+    (prof,) = profiles.values()  # the one meta run the prediction made
     assert prof.checkpoint_inputs and len(prof.checkpoint_pinned) == len(prof.checkpoint_inputs)
     assert all(p >= n for p, n in zip(prof.checkpoint_pinned, prof.checkpoint_inputs))
     assert sum(prof.checkpoint_pinned) > sum(prof.checkpoint_inputs)  # these sizes are not powers of two
-    p = plan.predict(cfg, family_of(cfg), [plan.Setting("fp8", 4)], device_kind="cuda", src=None,
-                     resolution=1024, profiles=None).settings[0]
     assert p.term("host_checkpoints") == sum(prof.checkpoint_pinned)
     assert p.term("host_cuda") == plan.CUDA_HOST_ESTIMATE
     assert p.host_peak >= p.term("host_cuda") + p.term("host_swapped") + p.term("host_checkpoints")

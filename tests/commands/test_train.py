@@ -474,6 +474,7 @@ def test_a_second_ctrl_c_during_an_update_stops_at_once_naming_the_last_checkpoi
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
 
 
+@pytest.mark.slow
 def test_ctrl_c_pressed_three_times_at_once_still_saves_and_exits_130(small, tmp_path: Path) -> None:
     overrides = [*[o for o in small if not o.startswith(("train.max_steps", "train.checkpoint"))],
                  "train.max_steps=400", "train.checkpoint_every=0"]

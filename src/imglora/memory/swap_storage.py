@@ -4,6 +4,7 @@ the device slots they are copied into, and saved tensors remembered by their pla
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -56,6 +57,9 @@ class SwapStats:
     """Whether the host copies are page-locked (only with CUDA)."""
     pools: tuple[PoolStats, ...]
     events: tuple[SwapEvent, ...] = ()
+    host_memory: tuple[tuple[str, int], ...] = ()
+    """Bytes of the host copies by kind -- "registered" (cudaHostRegister: exact), "pinned" (PyTorch's
+    allocator, rounded up to powers of two), "pageable" (no CUDA, or page-locking failed)."""
 
 
 # ------------------------------------------------------------------------------- layout of a block
@@ -341,6 +345,9 @@ def alloc_host(nbytes: int, cuda: bool, pinned: list[torch.Tensor]) -> tuple[tor
     if rc == 0:
         pinned.append(buf)
         return buf, "registered", None
+    # The failed call is also CUDA's "last error" until cudaGetLastError reads it, and PyTorch checks
+    # that after every kernel launch: left set, the next kernel would fail with this unrelated error.
+    clear_cuda_error()
     try:
         page_locked = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     except RuntimeError:
@@ -349,6 +356,38 @@ def alloc_host(nbytes: int, cuda: bool, pinned: list[torch.Tensor]) -> tuple[tor
     if page_locked is not None:
         return page_locked, "pinned", rc
     return buf, "pageable", rc
+
+
+def clear_cuda_error() -> bool:
+    """Read (and so clear) the CUDA runtime's last error; False where no way to do it was found.
+
+    ``torch.cuda.cudart()`` binds cudaHostRegister but not cudaGetLastError, so this calls the
+    runtime library PyTorch loaded (found in the process's memory map) through ctypes."""
+    fn = getattr(torch.cuda.cudart(), "cudaGetLastError", None) or _runtime_get_last_error()
+    if fn is None:
+        return False
+    fn()
+    return True
+
+
+@functools.cache
+def _runtime_get_last_error() -> Any:
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = sorted({line.split()[-1] for line in fh if "libcudart" in line and "/" in line})
+    except OSError:
+        paths = []
+    # Only a runtime already loaded: another copy of libcudart would keep an error state of its own.
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaGetLastError  # an already-loaded library: the same instance
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    return None
 
 
 def alias_spec(t: torch.Tensor, slot_by_ptr: dict[int, Slot]) -> Any:

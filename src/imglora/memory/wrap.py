@@ -109,7 +109,8 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     if depth == 0 and tuner is None:
         prefetch["reason"] = "no CUDA: host copies are synchronous, a deeper prefetch hides nothing"
     setup.facts["swap"] = {"blocks_per_list": dict(zip(lists, counts)), "swapped_blocks": stats.n_swapped,
-                           "device_buffer_bytes": stats.device_buffer_bytes, "prefetch": prefetch}
+                           "device_buffer_bytes": stats.device_buffer_bytes, "prefetch": prefetch,
+                           "host_memory": dict(stats.host_memory)}
     out(f"block swap: {' + '.join(f'{n} of {len(getattr(model, b))} {b}' for b, n in zip(lists, counts))}"
         f" kept in host memory; {stats.device_buffer_bytes / 2**20:.1f} MiB of device buffers; prefetch "
         + ("1 block ahead until update 2 measures copies and compute (memory.swap_prefetch = 0: auto)"
