@@ -57,7 +57,8 @@ def assert_same_training(one: Path, two: Path) -> None:
         assert torch.allclose(a[k], b[k], atol=3e-4, rtol=1e-3), (k, (a[k] - b[k]).abs().max())
 
 
-@pytest.mark.parametrize("preset", ["tiny-sdxl", pytest.param("tiny-flux", marks=pytest.mark.slow),
+@pytest.mark.parametrize("preset", [pytest.param("tiny-sdxl", marks=pytest.mark.slow),
+                                    pytest.param("tiny-flux", marks=pytest.mark.slow),
                                     pytest.param("tiny-llm", marks=pytest.mark.slow)])
 def test_two_processes_train_what_one_process_trains_with_the_whole_batch(preset: str, tmp_path: Path) -> None:
     extra = ["memory.blocks_to_swap=4"] if preset == "tiny-flux" else []  # FLUX with block swap on

@@ -177,6 +177,7 @@ def test_the_flux_preset_keeps_its_memory_promise_as_shipped() -> None:
     assert prefetch_tuner(auto, torch.device("cuda"), setup=None, out=lambda s: None).grow is True
 
 
+@pytest.mark.slow
 def test_host_ram_counts_pinned_rounding_and_the_cuda_libraries() -> None:
     """Checkpoint boundaries are counted as pinned memory holds them (the caching host allocator
     rounds each up to a power of two), and a CUDA process's libraries get their own (estimated) term."""

@@ -54,6 +54,7 @@ def test_oom_is_reported_with_its_stage(monkeypatch) -> None:
     assert (r["status"], r["stage"]) == ("oom", "forward") and "Tried to allocate" in r["error"]
 
 
+@pytest.mark.slow
 def test_cli_sweep_writes_table_json_csv_png_and_goes_on_after_a_failure(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "bench"
     real_worker = bench._run_worker

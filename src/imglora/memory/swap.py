@@ -77,9 +77,8 @@ from torch import nn
 
 from .fp8 import to_device
 from .swap_storage import (Block, Pool, PoolStats, Slot, SlotAlias, SwapEvent, SwapStats, alias_spec, alloc_host,
-                           build_pools, collect_entries, copy_to, graph_task_id, iter_tensors,
-                           outer_saved_tensor_hooks_active, rebuild, set_targets, stage_host, unflatten, unpin_all,
-                           view)
+                           build_pools, collect_entries, copy_to, graph_task_id, host_memory, iter_tensors,
+                           outer_saved_tensor_hooks_active, rebuild, set_targets, stage_host, unflatten, unpin_all, view)
 
 __all__ = ["BlockSwapper", "PoolStats", "SwapEvent", "SwapStats", "swap_mask"]
 
@@ -203,7 +202,6 @@ class BlockSwapper:
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         self._pinned = []
-        self._host_memory: dict[str, int] = {}  # bytes of host copies by kind: registered, pinned, pageable
         # Unpins even if remove() is never called. The finalizer holds the buffers, so they are
         # unregistered before they can be freed (freeing registered memory is undefined in CUDA).
         self._finalizer = weakref.finalize(self, unpin_all, self._pinned)
@@ -253,11 +251,7 @@ class BlockSwapper:
         self._installed = False
 
     def _alloc_host(self, nbytes: int) -> tuple[torch.Tensor, str]:
-        from .offload import pinned_bytes
-
         buf, how, why = alloc_host(nbytes, self._cuda, self._pinned)
-        # what the host really gives: PyTorch's pinned allocator rounds up to a power of two
-        self._host_memory[how] = self._host_memory.get(how, 0) + (pinned_bytes(nbytes) if how == "pinned" else nbytes)
         if why is not None and not self._warned_pin:
             self._warned_pin = True
             log.warning("block swap: cudaHostRegister failed (%s); %s", why,
@@ -324,7 +318,7 @@ class BlockSwapper:
             demand_loads=self._demand,
             buffer_allocations=self._allocs,
             pinned=bool(self._pools) and all(p.pinned for p in self._pools),
-            host_memory=tuple(sorted(getattr(self, "_host_memory", {}).items())),
+            host_memory=host_memory(self._pools),
             pools=tuple(PoolStats(len(p.members), len(p.slots), p.block_bytes) for p in self._pools),
             events=tuple(self._events),
         )

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .offload import pinned_bytes
+
 # Offsets of tensors inside a block buffer: the CUDA caching allocator's granularity, so every view
 # is as aligned as a tensor of its own (vectorised and fp8/Marlin-style kernels assume >= 16 bytes).
 ALIGN = 256
@@ -175,6 +177,7 @@ class Pool:
     hosts: list[torch.Tensor] = field(default_factory=list)  # per member: uint8 host copy, block_bytes
     pinned: bool = False
     slots: list[Slot] = field(default_factory=list)
+    host_memory: dict[str, int] = field(default_factory=dict)  # bytes of the host copies by kind
 
 
 @dataclass(eq=False)
@@ -304,6 +307,9 @@ def stage_host(pool: Pool, blocks: list[Block], cuda: bool, alloc: Any) -> None:
             blk = blocks[i]
             host, how = alloc(pool.block_bytes)
             pool.pinned = pool.pinned and how != "pageable"
+            # what the host really gives: PyTorch's pinned allocator rounds up to a power of two
+            held = pinned_bytes(pool.block_bytes) if how == "pinned" else pool.block_bytes
+            pool.host_memory[how] = pool.host_memory.get(how, 0) + held
             blk.host_objs = []
             for e, struct, (a, b) in zip(blk.entries, pool.entry_structs, pool.entry_leaves):
                 _, plain = flatten(e.tensor)
@@ -322,6 +328,15 @@ def stage_host(pool: Pool, blocks: list[Block], cuda: bool, alloc: Any) -> None:
                 blk.host_objs.append(obj)
             pool.hosts.append(host)
 
+
+
+def host_memory(pools: list[Pool]) -> tuple[tuple[str, int], ...]:
+    """Bytes of the pools' host copies by kind, for the swap stats and the run record."""
+    kinds: dict[str, int] = {}
+    for pool in pools:
+        for how, n in pool.host_memory.items():
+            kinds[how] = kinds.get(how, 0) + n
+    return tuple(sorted(kinds.items()))
 
 
 def alloc_host(nbytes: int, cuda: bool, pinned: list[torch.Tensor]) -> tuple[torch.Tensor, str, Any]:
