@@ -49,7 +49,8 @@ def entries(cache: Path) -> int:
     return sum(1 for kind in ("latents", "text") for _ in (cache / kind).rglob("*.safetensors"))
 
 
-@pytest.mark.parametrize("command", [pytest.param("cache-latents", marks=pytest.mark.slow), "train"])
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["cache-latents", "train"])
 def test_ctrl_c_while_caching_exits_130_and_keeps_what_was_written(command: str, many_images, tmp_path: Path) -> None:
     code, out = interrupt_while_caching(command, many_images)
     assert code == 130, out

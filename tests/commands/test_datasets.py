@@ -84,6 +84,7 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "adapter" / ADAPTER_FILE))
 
 
+@pytest.mark.slow
 def test_every_option_trains_resumes_and_extends_bit_for_bit_and_no_step_encodes(every_option, monkeypatch) -> None:
     from imglora.families import sdxl
 

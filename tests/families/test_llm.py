@@ -342,6 +342,7 @@ def test_merge_cli(run, tmp_path: Path) -> None:
     assert "merged" in result.output and (tmp_path / "m" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_eval_pass_writes_answers_with_and_without_adapter(run) -> None:
     from imglora.commands.evaluate import evaluate
 
