@@ -352,31 +352,31 @@ class AsyncCuda(FakeCuda):
         return other is stream or stream.known(other) >= seq
 
     def _access(self, op: str, stream: Any, seq: int, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
-        for t in reads:
-            k = _key(t)
-            if k is None:
-                continue
-            h = self.history.setdefault(k, _History())
-            if h.write is not None and not self._ordered(stream, h.write[0], h.write[1]):
+        for writing, tensors in ((False, reads), (True, writes)):
+            for t in tensors:
+                k = _key(t)
+                if k is None:
+                    continue
+                h = self.history.setdefault(k, _History())
+                if h.write is not None and not self._ordered(stream, h.write[0], h.write[1]):
+                    what = (f"overwrites {self._what(k)} that {h.write[2]} on the {h.write[0].name} stream writes, "
+                            "with no wait between them") if writing else (
+                        f"reads {self._what(k)} that {h.write[2]} on the {h.write[0].name} stream writes: read "
+                        "before its copy was waited on")
+                    self.violations.append(f"{op} on the {stream.name} stream {what}")
+                if writing:
+                    self._overwrite(h, op, stream, seq, k)
+                else:
+                    h.reads[stream] = (seq, op)
+
+    def _overwrite(self, h: Any, op: str, stream: Any, seq: int, k: int) -> None:
+        """A write after reads queued on other streams: each must be ordered before it."""
+        for other, (n, rop) in h.reads.items():
+            if not self._ordered(stream, other, n):
                 self.violations.append(
-                    f"{op} on the {stream.name} stream reads {self._what(k)} that {h.write[2]} on the "
-                    f"{h.write[0].name} stream writes: read before its copy was waited on")
-            h.reads[stream] = (seq, op)
-        for t in writes:
-            k = _key(t)
-            if k is None:
-                continue
-            h = self.history.setdefault(k, _History())
-            if h.write is not None and not self._ordered(stream, h.write[0], h.write[1]):
-                self.violations.append(
-                    f"{op} on the {stream.name} stream overwrites {self._what(k)} that {h.write[2]} on the "
-                    f"{h.write[0].name} stream writes, with no wait between them")
-            for other, (n, rop) in h.reads.items():
-                if not self._ordered(stream, other, n):
-                    self.violations.append(
-                        f"{op} on the {stream.name} stream overwrites {self._what(k)} while {rop} queued earlier "
-                        f"on the {other.name} stream may still read it (no wait on an event recorded after it)")
-            h.write, h.reads = (stream, seq, op), {}
+                    f"{op} on the {stream.name} stream overwrites {self._what(k)} while {rop} queued earlier "
+                    f"on the {other.name} stream may still read it (no wait on an event recorded after it)")
+        h.write, h.reads = (stream, seq, op), {}
 
     def _what(self, key: int) -> str:
         return f"{self.host[key]} host memory" if key in self.host else "device memory"

@@ -76,15 +76,6 @@ def test_own_module_reaches_inside_quantized_weights() -> None:
     assert torch.equal(m(x), want)
 
 
-def test_own_state_realigns_nested_optimizer_state() -> None:
-    state = {"state": {0: {"exp_avg": owned.unaligned_copy(torch.randn(4)), "step": torch.tensor(3.0)}},
-             "param_groups": [{"lr": 1e-3, "params": [0]}]}
-    out = owned.own_state(state)
-    assert owned.is_aligned(out["state"][0]["exp_avg"]) and torch.equal(out["state"][0]["exp_avg"],
-                                                                        state["state"][0]["exp_avg"])
-    assert out["param_groups"] == state["param_groups"]
-
-
 def test_models_loaded_from_a_folder_are_aligned_even_though_the_library_maps_them(monkeypatch) -> None:
     """diffusers' from_pretrained leaves weights inside the memory-mapped file (at the file's
     offsets); imglora's loaders hand on models whose every CPU tensor is aligned, switch or not."""

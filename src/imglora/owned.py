@@ -21,7 +21,6 @@ developer's machine, not on a user's.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 import torch
 
@@ -64,10 +63,6 @@ def copy(t: torch.Tensor) -> torch.Tensor:
     return aligned_copy(t)
 
 
-def copy_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: copy(v) for k, v in tensors.items()}
-
-
 def own_module(module: torch.nn.Module) -> torch.nn.Module:
     """Move every CPU parameter and buffer of ``module`` that is not at an aligned address (a
     memory-mapped weight, a tensor the test switch misplaced) into aligned memory it owns, in place;
@@ -102,18 +97,6 @@ def _own(t: torch.Tensor) -> torch.Tensor:
             if owned is not inner:
                 setattr(t, attr, owned)
     return t
-
-
-def own_state(obj: object) -> object:
-    """``obj`` (an optimizer state: nested dicts and lists of tensors) with every unaligned CPU
-    tensor replaced by an aligned copy."""
-    if isinstance(obj, torch.Tensor):
-        return _own(obj)
-    if isinstance(obj, dict):
-        return {k: own_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(own_state(v) for v in obj)
-    return obj
 
 
 def read_file(path: "str | os.PathLike[str]") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
