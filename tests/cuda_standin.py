@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 
 
 class FakeCuda:
@@ -121,7 +121,11 @@ class _Copy:
     latency: int  # ops (on any stream) it stays in flight at most (fuzz); huge: until a wait orders it
 
     def land(self) -> None:
-        with torch.no_grad():
+        # The copy was counted (autograd's version counter) when it was issued, as on a GPU; its
+        # bytes arriving later is not another write.
+        # Landing is the copy engine's work, not an op on any stream: the stream mode does not see it
+        # (a wait outside any op lands copies too).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.dst), _disable_current_modes():
             self.dst.copy_(self.src)
 
 
@@ -277,7 +281,17 @@ class AsyncCuda(FakeCuda):
     # ---------------------------------------------------------------------------------- torch.cuda
 
     def install(self, monkeypatch) -> None:
+        """torch.cuda is the stand-in's, and the product takes its CUDA code paths on CPU tensors
+        (devices.REHEARSING_CUDA_ON_CPU)."""
+        from imglora import devices
+
         super().install(monkeypatch)
+        monkeypatch.setattr(devices, "REHEARSING_CUDA_ON_CPU", True)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])  # no device generator to save
+        # The allocator's promise not to reuse a tensor's memory before a stream's queued work is done
+        # (here the tensors stay alive while a copy in flight holds them): logged, for the tests.
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, stream: self.log.append(("record_stream", _key(t), stream)))
         props = type("Props", (), {"total_memory": self.total_memory, "name": "stand-in", "major": 9, "minor": 0,
                                    "multi_processor_count": 132})()
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)

@@ -123,7 +123,6 @@ class Profile:
     model: torch.nn.Module  # the meta model with LoRA (for the weight terms)
     dtype: torch.dtype
     text_encoders: int = 0  # frozen bytes of the text encoders trained with the adapter (lora.text_encoder)
-    checkpoint_pinned: list[int] | None = None  # checkpoint_inputs as pinned host memory holds them (rounded)
 
 
 def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
@@ -159,7 +158,7 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
             p.grad = None
     return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
                    lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs),
-                   checkpoint_pinned=list(ac.checkpoint_pinned), text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()))
+                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,11 +288,10 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         act_extra = prof.peak - prof.saved
         offloaded = offloaded_pinned = 0
         if cuda and cfg.memory.offload_checkpoints and cfg.memory.gradient_checkpointing and prof.checkpoint_inputs:
-            # the boundaries go to pinned host memory (rounded up there: offload.pinned_bytes); one
-            # block's come back for its recompute
-            offloaded = sum(prof.checkpoint_inputs)
-            offloaded_pinned = sum(prof.checkpoint_pinned or prof.checkpoint_inputs)
-            act_extra += max(prof.checkpoint_inputs)
+            # the boundaries go to host buffers of exactly their size (memory/offload.py); in backward
+            # one block's come back for its recompute while the next block's are coming in
+            offloaded = offloaded_pinned = sum(prof.checkpoint_inputs)
+            act_extra += 2 * max(prof.checkpoint_inputs)
         saved = prof.saved - offloaded
         dev = "device" if cuda else "host"
         terms = [
@@ -333,8 +331,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             setup = load_block + swapped if streams else frozen_bytes(model, set())
             per = f" (x {processes} processes)" if processes > 1 else ""
             terms += [Term("host_swapped", f"swapped blocks in pinned host memory{per}", swapped * processes, "host"),
-                      Term("host_checkpoints", f"checkpoint boundaries in pinned host memory, as the caching host "
-                           f"allocator rounds them (powers of two){per}", offloaded_pinned * processes, "host"),
+                      Term("host_checkpoints", f"checkpoint boundaries in page-locked host memory (registered, "
+                           f"exactly their size){per}", offloaded_pinned * processes, "host"),
                       Term("host_setup", f"set-up peak on top: {setup_note}{per}",
                            max(0, setup - swapped - offloaded_pinned) * processes, "host"),
                       Term("host_process", f"this process (Python, torch, libraries; measured now){per}",

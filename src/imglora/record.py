@@ -96,7 +96,9 @@ def environment() -> dict[str, Any]:
 def device_info() -> dict[str, Any]:
     import torch
 
-    if not torch.cuda.is_available():
+    from .devices import cuda_available
+
+    if not cuda_available():
         return {"device": "cpu", "device_name": platform.processor() or platform.machine(),
                 "cpu_threads": torch.get_num_threads()}
     props = torch.cuda.get_device_properties(0)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from . import atomic, telemetry
+from .devices import is_cuda
 
 
 def append(path: Path, row: dict[str, Any]) -> None:
@@ -44,7 +45,7 @@ def progress_line(step: int, total: int, row: dict[str, Any], times: list[float]
     width = 20
     filled = int(width * step / total)
     mem = (f" | peak {telemetry.gib(row['peak_allocated'])} alloc, {telemetry.gib(row['peak_reserved'])} reserved"
-           if device.type == "cuda" else "")
+           if is_cuda(device) else "")
     return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
             f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
 

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
+from .devices import is_cuda
+
 
 def reset_peaks(device: torch.device) -> None:
-    if device.type == "cuda":
+    if is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -23,7 +25,7 @@ def memory(device: torch.device) -> dict[str, Any]:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     out: dict[str, Any] = {"rss": psutil.Process().memory_info().rss, "peak_rss": peak_rss,
                            "peak_allocated": None, "peak_reserved": None}
-    if device.type == "cuda":
+    if is_cuda(device):
         out["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         out["peak_reserved"] = torch.cuda.max_memory_reserved(device)
     return out

@@ -220,3 +220,106 @@ def test_clearing_the_last_error_uses_the_runtime_torch_loaded(monkeypatch) -> N
     calls = []
     monkeypatch.setattr(swap_storage, "_runtime_get_last_error", lambda: lambda: calls.append(1) or 0)
     assert swap_storage.clear_cuda_error() is True and calls == [1]
+
+
+# -------------------------------------------------------------- checkpoint boundaries offloaded
+
+
+def offloaded_flux(swap: bool, fake: AsyncCuda | None = None):
+    """Tiny FLUX with fp8 and gradient checkpointing through an OffloadingCheckpoint on the CUDA path
+    (its boundaries are a few KiB here, so the size floor is lowered to move them), with or without
+    block swap, as apply_memory installs them."""
+    from imglora.memory.offload import OffloadingCheckpoint
+
+    model = build_flux(ckpt=True, fp8=True)
+    off = OffloadingCheckpoint("cpu", min_bytes=1024)
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=off)
+    sw = None
+    if swap:
+        blocks, mask = flux_blocks(model)
+        sw = BlockSwapper(blocks, mask, "cpu", slots_per_shape=2)
+        with fake.active():
+            sw.install(root=model)
+    return model, off, sw
+
+
+@pytest.mark.parametrize("swap,fuzz", [(False, None), (True, None), (True, 6),
+                                       pytest.param(False, 7, marks=pytest.mark.slow)])
+def test_offloaded_boundaries_go_out_and_come_back_on_the_side_stream(standin, swap, fuzz) -> None:
+    """Issue 22, defect 2: the boundaries' copies run on a side stream ordered by events; training
+    equals plain checkpointing (each copy had landed before its block read it), with no ordering
+    violation, and the host memory is exactly the boundaries' bytes, reused from update to update."""
+    batches = flux_batches(2)
+    ref = train(build_flux(ckpt=True, fp8=True), batches, flux_loss)
+    fake = standin(fuzz=fuzz)
+    model, off, sw = offloaded_flux(swap, fake)
+    assert off.cuda
+    held = []
+    with fake.active():
+        got = train(model, batches, flux_loss, sw, per_step=lambda: held.append(dict(off.facts["host_memory"])))
+    assert_same_training(ref, got)
+    assert fake.violations == []
+    side = off._stream
+    assert side is not None and side is not fake.compute and (sw is None or side is not sw._copy_stream)
+    per_update = off.offloaded_bytes // 2
+    assert off.calls == 2 * 12 and per_update > 0  # 4 double and 8 single blocks, each update
+    assert held == [{"registered": per_update}] * 2  # exactly their size, and update 2 reused them
+    assert not off._pending  # every boundary came back and gave its buffers back
+    copies = [e for e in fake.log if e[0] == "record" and e[2] is side]
+    assert len(copies) == 2 * 2 * 12  # per update and block: one event after going out, one after coming back
+
+
+def drop_wait_on(stream, events) -> None:
+    """``stream`` ignores every wait on an event ``events()`` holds."""
+    real = stream.wait_event
+
+    def wait_event(event) -> None:
+        if id(event) not in events():
+            real(event)
+
+    stream.wait_event = wait_event
+
+
+def test_offload_without_the_wait_for_the_copy_back_is_caught(standin) -> None:
+    """A planted bug: the compute stream does not wait for a boundary's copy back before the block
+    recomputes from it."""
+    fake = standin()
+    model, off, _ = offloaded_flux(False)
+    ready: set[int] = set()
+    orig = off._bring_back
+
+    def bring_back(entry) -> None:
+        orig(entry)
+        if entry.ready is not None:
+            ready.add(id(entry.ready))
+
+    off._bring_back = bring_back
+    drop_wait_on(fake.compute, lambda: ready)
+    with fake.active():
+        train(model, flux_batches(1), flux_loss)
+    assert any("reads device memory that a non_blocking copy on the copy stream writes: read before its copy "
+               "was waited on" in v for v in fake.violations), fake.violations
+    fake.violations.clear()
+
+
+def test_offload_copying_before_the_boundary_is_computed_is_caught(standin, monkeypatch) -> None:
+    """A planted bug: the side stream does not wait for the compute stream before copying a boundary
+    out, so the copy may read it before the block that makes it has run."""
+    fake = standin()
+    model, off, _ = offloaded_flux(False)
+    side = off._side()
+    produced: set[int] = set()
+    real_record = fake.Event.record
+
+    def record(event, stream=None):
+        if (stream if stream is not None else fake.current[-1]) is fake.compute and fake.current[-1] is fake.compute:
+            produced.add(id(event))
+        return real_record(event, stream)
+
+    monkeypatch.setattr(fake.Event, "record", record)
+    drop_wait_on(side, lambda: produced)
+    with fake.active():
+        train(model, flux_batches(1), flux_loss)
+    assert any(v.startswith("a non_blocking copy on the copy stream reads device memory that") for v in fake.violations), \
+        fake.violations
+    fake.violations.clear()

@@ -44,9 +44,12 @@ def test_on_the_cpu_nothing_moves_and_nothing_changes() -> None:
 
 @pytest.mark.gpu
 def test_on_cuda_the_boundaries_leave_the_device_and_the_gradients_stay() -> None:
-    off = OffloadingCheckpoint()
+    off = OffloadingCheckpoint("cuda")
     a = grads("cuda", plain)
     torch.cuda.reset_peak_memory_stats()
     b = grads("cuda", off)
     assert off.offloaded_bytes == 4 * 1024 * 512 * 4
+    # exactly their size, page-locked (registered, or the allocator's pinned memory where that fails)
+    held = off.facts["host_memory"]
+    assert sum(held.values()) >= off.offloaded_bytes and set(held) <= {"registered", "pinned"}, held
     assert torch.allclose(a[0], b[0]) and all(torch.allclose(p, q) for p, q in zip(a[1], b[1]))

@@ -180,7 +180,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
     rec.set(**peaks.facts(), seconds=round(time.perf_counter() - t_start, 3))
     result.record = rec.write(status="ok")
     out(f"eval record: {result.record} ({telemetry.fmt_duration(time.perf_counter() - t_start)}"
-        + (f", peak {telemetry.gib(rec.data['peak_memory']['peak_allocated'])}" if device.type == "cuda" else "")
+        + (f", peak {telemetry.gib(rec.data['peak_memory']['peak_allocated'])}" if devices.is_cuda(device) else "")
         + f", peak RSS {rec.data['peak_memory']['peak_rss'] / 2**30:.2f} GiB)")
     return result
 

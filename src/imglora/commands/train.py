@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
 
-from .. import atomic, distributed, runlock
+from .. import atomic, devices, distributed, runlock
 from ..config import Config
 from ..families import registry
 from ..training import TrainResult, train as train_loop
@@ -55,8 +54,7 @@ def run_eval_subprocess(run_dir: Path, out: Callable[[str], None] = print) -> in
     """``imglora eval RUN_DIR`` in a fresh process, after the caller has dropped its model. Returns
     the exit code."""
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    devices.free(devices.default_device())
     out(f"train.eval_after: running `imglora eval {run_dir}` in a fresh process")
     code = subprocess.run([sys.executable, "-m", "imglora", "eval", str(run_dir)], check=False).returncode
     if code:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..devices import is_cuda
 from .samples import Sample
 
 
@@ -151,7 +152,7 @@ class Batcher:
 
     @staticmethod
     def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        if device.type == "cuda":  # only a copy from page-locked memory is truly asynchronous
+        if is_cuda(device):  # only a copy from page-locked memory is truly asynchronous
             batch = {k: t.pin_memory() for k, t in batch.items()}
         return {k: t.to(device, non_blocking=True) for k, t in batch.items()}
 

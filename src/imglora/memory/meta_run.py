@@ -84,7 +84,6 @@ class Autocast(TorchFunctionMode):
         self._cache: dict[int, torch.Tensor] = {}
         self._checkpoint: Any = None
         self.checkpoint_inputs: list[int] = []  # per checkpointed call in forward: bytes of its large inputs
-        self.checkpoint_pinned: list[int] = []  # the same in pinned host memory (rounded per tensor)
 
     def __enter__(self) -> "Autocast":
         import torch.utils.checkpoint as ckpt
@@ -94,12 +93,11 @@ class Autocast(TorchFunctionMode):
 
         def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
             if torch._C._len_torch_function_stack() > 0:  # a forward call: note what it keeps
-                from .offload import MIN_BYTES, pinned_bytes
+                from .offload import MIN_BYTES
 
                 large = [a.numel() * a.element_size() for a in args
                          if isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= MIN_BYTES]
                 mode.checkpoint_inputs.append(sum(large))
-                mode.checkpoint_pinned.append(sum(pinned_bytes(n) for n in large))
 
             def run(*a: Any, **k: Any) -> Any:
                 if torch._C._len_torch_function_stack() == 0:  # a recompute, inside backward

@@ -55,9 +55,8 @@ How the engine follows autograd:
   install its hooks: the outer hooks decide, and checkpoint's recompute saves views that are used
   while the block is resident.
 
-Tensor subclasses (optimum-quanto fp8 weights, ``WeightQBytesTensor`` with ``_data`` and ``_scale``)
-are handled generically through ``__tensor_flatten__``: their inner tensors are laid out in the
-slot like any other tensor, and the module attribute is pointed at a wrapper built once per slot.
+Tensor subclasses (quanto's fp8 weights) are opened with ``__tensor_flatten__``: their inner tensors
+are laid out in the slot like any other, and the attribute points at a wrapper built once per slot.
 
 Without CUDA the same schedule runs with host-to-host copies (order and invariants testable anywhere).
 """
@@ -75,6 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import is_cuda
 from .fp8 import to_device
 from .swap_storage import (Block, Pool, PoolStats, Slot, SlotAlias, SwapEvent, SwapStats, alias_spec, alloc_host,
                            build_pools, collect_entries, copy_to, graph_task_id, host_memory, iter_tensors,
@@ -148,7 +148,7 @@ class BlockSwapper:
         self._blocks = [Block(i, b, s) for i, (b, s) in enumerate(zip(blocks, mask))]
         self._swapped = [b.index for b in self._blocks if b.swapped]
         self._pools: list[Pool] = []
-        self._cuda = self.device.type == "cuda"
+        self._cuda = is_cuda(self.device)
         self._copy_stream: Any = None
         self._handles: list[Any] = []
         self._installed = False

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .offload import pinned_bytes
 
 # Offsets of tensors inside a block buffer: the CUDA caching allocator's granularity, so every view
 # is as aligned as a tensor of its own (vectorised and fp8/Marlin-style kernels assume >= 16 bytes).
@@ -337,6 +336,12 @@ def host_memory(pools: list[Pool]) -> tuple[tuple[str, int], ...]:
         for how, n in pool.host_memory.items():
             kinds[how] = kinds.get(how, 0) + n
     return tuple(sorted(kinds.items()))
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory the caching host allocator takes for ``nbytes`` (behind ``pin_memory`` and
+    ``.to("cpu", non_blocking=True)``): every block rounded up to a power of two."""
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
 
 def alloc_host(nbytes: int, cuda: bool, pinned: list[torch.Tensor]) -> tuple[torch.Tensor, str, Any]:

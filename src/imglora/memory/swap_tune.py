@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..devices import is_cuda
+
 MAX_DEPTH = 6  # swapped blocks copied ahead at most (slots per block shape = depth + 1)
 GOOD_ENOUGH = 0.02  # a stall within this share of the forward compute of the best depth's is as good
 
@@ -186,7 +188,7 @@ class PrefetchTuner:
             self.runs[index] = (self._open.pop(index), _mark(stream))
 
     def _decide(self, swapper: Any) -> None:
-        if swapper.device.type == "cuda":
+        if is_cuda(swapper.device):
             torch.cuda.synchronize(swapper.device)
         pools, block_bytes, members = swapper.layout()
         current = swapper.lookahead

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..devices import is_cuda
 from ..family import Swappable, supports
 from .fp8 import to_device
 
@@ -77,10 +78,10 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     if m.offload_checkpoints and m.gradient_checkpointing:
         from .offload import install
 
-        setup.offload = install(model)
+        setup.offload = install(model, device)
         if setup.offload is None:
             out("memory.offload_checkpoints: this model takes no checkpoint function; boundaries stay on the device")
-        setup.facts["offload_checkpoints"] = setup.offload is not None
+        setup.facts["offload_checkpoints"] = setup.offload.facts if setup.offload is not None else False
     if m.quantization != "none":
         from .quant4 import quantize_4bit
 
@@ -124,7 +125,7 @@ def prefetch_tuner(cfg: Any, device: torch.device, setup: MemorySetup, out: Call
     memory.vram_budget) leaves after that update's peak; with an explicit depth the log and record
     only say what auto would choose. Without CUDA nothing is measured: the copies are synchronous
     there, so a deeper prefetch hides nothing."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return None
     from .swap_tune import PrefetchTuner
 

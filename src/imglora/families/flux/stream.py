@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ... import record
+from ...devices import is_cuda
 from ...errors import ModelSourceError
 from ...memory.host import release_free_memory
 from ...owned import own_module
@@ -110,7 +111,7 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
     from ...memory import quantized_cache
     from ...memory.fp8 import quantize_fp8, to_device
 
-    gpu = device.type == "cuda"
+    gpu = is_cuda(device)
 
     def place(kind: str, index: int, block: torch.nn.Module) -> None:
         if gpu and (kind, index) not in swapped:
