@@ -157,6 +157,13 @@ def _leaves(obj: Any):
             yield from _leaves(o)
 
 
+def _names_a_device(args: tuple, kwargs: dict) -> bool:
+    for a in (*args, kwargs.get("device")):
+        if isinstance(a, torch.device) or (isinstance(a, str) and a.split(":")[0] in ("cpu", "cuda")):
+            return True
+    return False
+
+
 def _key(t: torch.Tensor) -> int | None:
     try:
         st = t.untyped_storage()
@@ -292,6 +299,19 @@ class AsyncCuda(FakeCuda):
         # (here the tensors stay alive while a copy in flight holds them): logged, for the tests.
         monkeypatch.setattr(torch.Tensor, "record_stream",
                             lambda t, stream: self.log.append(("record_stream", _key(t), stream)))
+        # ``.to(device)`` of page-locked host memory is a host-to-device copy on a GPU; here the
+        # "device" is the CPU, where ``.to`` would hand back the host tensor itself.
+        real_to = torch.Tensor.to
+
+        def to(t, *args, **kwargs):
+            out = real_to(t, *args, **kwargs)
+            if out is t and _key(t) in self.host and _names_a_device(args, kwargs):
+                out = torch.empty_like(t, memory_format=torch.preserve_format)
+                out.copy_(t)
+                out.requires_grad_(t.requires_grad)
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "to", to)
         props = type("Props", (), {"total_memory": self.total_memory, "name": "stand-in", "major": 9, "minor": 0,
                                    "multi_processor_count": 132})()
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
@@ -395,6 +415,12 @@ class AsyncCuda(FakeCuda):
     def _what(self, key: int) -> str:
         return f"{self.host[key]} host memory" if key in self.host else "device memory"
 
+    def _fresh(self, key: int | None) -> None:
+        """A new allocation at ``key``: whatever lived at this address before is gone (page-locked
+        memory too: a pinned staging copy freed and its address reused by the CPU allocator)."""
+        self.history.pop(key, None)
+        self.host.pop(key, None)
+
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = func._schema.name.split("::")[-1]
         stream = self.current[-1]
@@ -403,6 +429,7 @@ class AsyncCuda(FakeCuda):
             return _key(args[0]) in self.host
         if name == "_pin_memory":
             out = args[0].clone()
+            self._fresh(_key(out))
             self.host[_key(out)] = "pinned"
             return out
         if kwargs.get("pin_memory"):
@@ -422,7 +449,7 @@ class AsyncCuda(FakeCuda):
             out = func(*args, **kwargs)
             if name.startswith("empty"):
                 for t in _leaves(out):
-                    self.history.pop(_key(t), None)
+                    self._fresh(_key(t))
             return out
         if self.last_error is not None and name not in _COPIES:
             raise RuntimeError(f"CUDA error: error {self.last_error} (raised by the first kernel after a failed "
@@ -442,8 +469,8 @@ class AsyncCuda(FakeCuda):
                         "argument (a device mismatch on a GPU: the block is not in a slot)")
         out = func(*args, **kwargs)
         fresh = [t for t in _leaves(out) if _key(t) not in inputs]
-        for t in fresh:  # a new allocation: whatever lived at this address before is gone
-            self.history.pop(_key(t), None)
+        for t in fresh:
+            self._fresh(_key(t))
         stream.count += 1
         self._access(name, stream, stream.count, reads, writes + fresh)
         return out

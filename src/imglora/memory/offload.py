@@ -67,10 +67,10 @@ class _Boundary:
 
 
 class OffloadingCheckpoint:
-    def __init__(self, device: torch.device | str = "cpu", min_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, device: torch.device | str = "cpu", min_bytes: int | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = is_cuda(self.device)
-        self.min_bytes = min_bytes
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.offloaded_bytes = 0  # bytes copied to the host so far (a counter for reports and tests)
         self.calls = 0
         # for the run record: whether boundaries move, and host memory held by kind (bytes)
