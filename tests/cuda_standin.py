@@ -167,9 +167,9 @@ def _names_a_device(args: tuple, kwargs: dict) -> bool:
 def _key(t: torch.Tensor) -> int | None:
     try:
         st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        return st.data_ptr() if st.nbytes() else None
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: its inner tensors have storage
         return None
-    return st.data_ptr() if st.nbytes() else None
 
 
 class AsyncCuda(FakeCuda):
@@ -312,6 +312,14 @@ class AsyncCuda(FakeCuda):
             return out
 
         monkeypatch.setattr(torch.Tensor, "to", to)
+
+        def pin_memory(t, device=None):  # a CPU-only build may refuse before the op is dispatched
+            out = t.clone()
+            self._fresh(_key(out))
+            self.host[_key(out)] = "pinned"
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         props = type("Props", (), {"total_memory": self.total_memory, "name": "stand-in", "major": 9, "minor": 0,
                                    "multi_processor_count": 132})()
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)

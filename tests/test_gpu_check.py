@@ -373,6 +373,35 @@ def test_dry_run_runs_every_step_and_names_each_target(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_dry_run_on_the_cuda_standin_takes_the_cuda_paths(tmp_path) -> None:
+    """The check's bench and plan steps with every Python process on the CUDA stand-in
+    (tests/standin_site): bench-swap's workers run block swap and offloaded boundaries on their
+    streams, with random copy latencies, and no process sees an ordering violation. (The probe and
+    the gpu tests make real CUDA tensors; their CUDA code is rehearsed by the probe's own test.)"""
+    out, reports = tmp_path / "check", tmp_path / "standin"
+    env = _script_env()
+    env.update(IMGLORA_CUDA_STANDIN="7", IMGLORA_CUDA_STANDIN_REPORT=str(reports), GPU_CHECK_STEPS="bench plan",
+               PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "standin_site"), env["PYTHONPATH"]]))
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    status = {s.split("\t")[0]: s.split("\t")[1] for s in (out / "steps.tsv").read_text().splitlines()}
+    assert status == {"env": "ok", "bench": "ok", "pytest": "skipped", "probe": "skipped", "plan": "ok"}
+    seen = [json.loads(f.read_text()) for f in reports.glob("*.json")]
+    assert seen and all(s["violations"] == [] for s in seen)
+    workers = {Path(s["argv"][1]).parent.name: s for s in seen if s["argv"][0].endswith("bench.py")}
+    assert set(workers) == {"setting-1", "setting-2"}
+    swapped = workers["setting-1"]  # fp8:4, first
+    # compute, the swap engine's copy stream, the offloaded boundaries' side stream
+    assert swapped["streams"] == ["compute", "copy", "copy"] and swapped["host"] == ["pinned", "registered"]
+    assert workers["setting-2"]["streams"] == ["compute", "copy"]  # fp8:0: offload only
+    assert swapped["landed_early"] > 0 and swapped["copies_in_flight_at_exit"] == 0
+    bench = json.loads((out / "bench-flux" / "bench.json").read_text())
+    assert [x["status"] for x in bench["results"]] == ["ok", "ok"]
+    assert all(x["offload_checkpoints"]["host_memory"].keys() == {"registered"} for x in bench["results"])
+
+
+@pytest.mark.slow
 def test_a_missing_library_skips_the_steps_that_need_it(tmp_path) -> None:
     out = tmp_path / "check"
     env = {**_script_env(), "GPU_CHECK_EXTRA_MODULES": "imglora_test_no_such_module", "GPU_CHECK_PIP": "0"}

@@ -400,7 +400,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             "all_update_seconds": times, "losses": losses, "peak_allocated": mem["peak_allocated"],
             "peak_reserved": mem["peak_reserved"], "peak_rss": mem["peak_rss"],
             "h2d_bytes_per_update": statistics.fmean(h2d[spec["warmup"]:]) if measured else 0,
-            "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8")}
+            "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8"),
+            "offload_checkpoints": memory.facts.get("offload_checkpoints")}
 
 
 def _cached_or_synthetic(cfg: Any, family: Any, src: "ModelSource", trainable: Any, device: Any) -> tuple[list, str]:
