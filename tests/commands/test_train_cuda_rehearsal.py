@@ -33,6 +33,17 @@ from imglora.owned import load_file
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state: the rehearsal's bf16 mixed precision (CUDA's) must
+    neither meet another test's, nor stay for the tests after it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
 def train_on_standin(monkeypatch, tmp_path: Path, preset: str, fuzz: int | None) -> tuple[AsyncCuda, dict, dict]:
     fake = AsyncCuda(fuzz=fuzz)
     fake.install(monkeypatch)
