@@ -92,6 +92,7 @@ def test_train_tiny_flux_on_the_cuda_path(monkeypatch, tmp_path, seeds) -> None:
         assert rec_f["final_loss"] == pytest.approx(rec["final_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_train_tiny_sdxl_on_the_cuda_path(monkeypatch, tmp_path) -> None:
     fake, rec, adapter = train_on_standin(monkeypatch, tmp_path, "tiny-sdxl.toml", 4)
     assert fake.violations == [], fake.violations

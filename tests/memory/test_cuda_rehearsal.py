@@ -243,7 +243,7 @@ def offloaded_flux(swap: bool, fake: AsyncCuda | None = None):
     return model, off, sw
 
 
-@pytest.mark.parametrize("swap,fuzz", [(False, None), (True, None), (True, 6),
+@pytest.mark.parametrize("swap,fuzz", [(False, None), (True, 6), pytest.param(True, None, marks=pytest.mark.slow),
                                        pytest.param(False, 7, marks=pytest.mark.slow)])
 def test_offloaded_boundaries_go_out_and_come_back_on_the_side_stream(standin, swap, fuzz) -> None:
     """Issue 22, defect 2: the boundaries' copies run on a side stream ordered by events; training

@@ -96,7 +96,8 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
     if device == "cuda":
         p.notes.append("a card needs the peak x 1.05 (allocator rounding) + about 0.5 GiB (CUDA context); "
                        "host RAM counts this process as measured now, plus CUDA's libraries as estimated (2.5 GiB a "
-                       "process, not yet measured on a GPU box) and pinned memory as PyTorch rounds it")
+                       "process, not yet measured on a GPU box) and page-locked buffers at their exact size "
+                       "(registered; where registering fails, PyTorch's pinned allocator rounds each up to a power of two)")
     b = cfg.train.batch_size
     out(f"{family.name} at {p.resolution}x{p.resolution}, batch {b}, {cfg.lora.type} rank {cfg.lora.rank}, "
         f"{cfg.train.optimizer}, gradient checkpointing {'on' if cfg.memory.gradient_checkpointing else 'off'}, "
