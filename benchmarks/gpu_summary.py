@@ -324,6 +324,44 @@ def prefetch_lines(bench: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+# The replay's estimate of FLUX.1-dev's forward compute at 1024 px over all blocks (docs/benchmarks.md:
+# "Swap prefetch depth"), which the measured per-block compute is set against.
+FORWARD_COMPUTE_ESTIMATE_MS = 134.9
+
+
+def detail_lines(bench: dict[str, Any] | None) -> list[str]:
+    """Per setting, what the check records beside the table: the profiled update's split, the
+    set-up peak (training's peaks are reset after it), block copies and stalls per update, the
+    page-locked host memory, the measured forward compute against the estimate."""
+    lines = []
+    for r in (bench or {}).get("results", []):
+        if r.get("status") != "ok":
+            continue
+        parts = []
+        prof = r.get("profiled_update") or {}
+        if prof:
+            parts.append("profiled update: " + ", ".join(f"{k} {prof[k]:.3f} s" for k in
+                                                         ("forward", "backward", "optimizer", "total") if k in prof))
+        if r.get("setup_peak_allocated") is not None:
+            parts.append(f"set-up peak {gib(r['setup_peak_allocated'])} allocated / "
+                         f"{gib(r.get('setup_peak_reserved'))} reserved GiB (reset before training)")
+        copies = r.get("swap_copies")
+        if copies:
+            parts.append(f"{copies['loads_per_update']:.1f} block copies per update, "
+                         f"{copies['stalls_per_update']:.1f} of them stalls")
+        held = {**{f"swapped blocks {k}": v for k, v in ((r.get("swap") or {}).get("host_memory") or {}).items()},
+                **{f"boundaries {k}": v for k, v in
+                   ((r.get("offload_checkpoints") or {}).get("host_memory") or {}).items()}}
+        if held:
+            parts.append("host memory: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in held.items()))
+        fwd = ((r.get("swap") or {}).get("prefetch") or {}).get("forward_compute_ms")
+        if fwd:
+            parts.append(f"forward compute, all blocks: {fwd:.1f} ms (estimate {FORWARD_COMPUTE_ESTIMATE_MS} ms)")
+        if parts:
+            lines.append(f"{r.get('setting')}: " + "; ".join(parts))
+    return lines
+
+
 def environment_line(bench: dict[str, Any] | None, probe: dict[str, Any] | None) -> str:
     env = (bench or {}).get("environment") or {}
     if env:
@@ -382,7 +420,7 @@ def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]
     text += ["", f"Bench: {bench_command(bench)}"]
     text += text_table(BENCH_COLUMNS, bench_rows(bench, plan)) if bench else [f"  no result: {bench_why}"]
     text += [f"  {plan_note}" + (f"; fastest setting that fits: {fit}" if plan else "")]
-    text += [f"  {line}" for line in prefetch_lines(bench)]
+    text += [f"  {line}" for line in prefetch_lines(bench) + detail_lines(bench)]
     text += ["", "Probe:"] + ([f"  {k}: {v}" for k, v in probe_rows(probe)] or [f"  no result: {probe_why}"])
     if steps:
         text += ["", "Steps:"] + text_table(["step", "status", "exit", "seconds", "note"],
@@ -396,7 +434,8 @@ def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]
     md += [f"`{bench_command(bench)}`", ""]
     md += (md_table(BENCH_COLUMNS, bench_rows(bench, plan)) if bench else [f"No bench result: {bench_why}."]) + [""]
     md += [f"{plan_note}" + (f"; fastest setting that fits: `{fit}`." if plan else "."), ""]
-    md += [f"- {line}" for line in prefetch_lines(bench)] + ([""] if prefetch_lines(bench) else [])
+    extra = prefetch_lines(bench) + detail_lines(bench)
+    md += [f"- {line}" for line in extra] + ([""] if extra else [])
     if plan:
         for s in plan.get("settings", []):
             terms = s.get("terms") or {}

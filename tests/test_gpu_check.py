@@ -276,6 +276,24 @@ def test_summary_shows_what_the_auto_prefetch_chose(summary_mod, tmp_path) -> No
     assert "fp8:0: prefetch" not in text  # no swap, nothing to say
 
 
+def test_summary_lists_each_figure_the_check_records(summary_mod, tmp_path) -> None:
+    swapped = _result("fp8:18", 0.52, 8 * GiB)
+    swapped.update(
+        profiled_update={"forward": 0.125, "backward": 0.375, "optimizer": 0.0125, "total": 0.5125},
+        setup_peak_allocated=6 * GiB, setup_peak_reserved=7 * GiB,
+        swap_copies={"loads_per_update": 54.0, "stalls_per_update": 2.0},
+        swap={"host_memory": {"registered": 5 * GiB}, "prefetch": {"depth": 1, "forward_compute_ms": 230.25}},
+        offload_checkpoints={"moves": True, "host_memory": {"registered": 3 * GiB // 2}})
+    folder = _write_inputs(tmp_path / "d", [_result("fp8:0", 0.50, 14 * GiB), swapped])
+    _, text, md, _ = _run(summary_mod, folder)
+    line = ("fp8:18: profiled update: forward 0.125 s, backward 0.375 s, optimizer 0.013 s, total 0.512 s; "
+            "set-up peak 6.00 allocated / 7.00 reserved GiB (reset before training); 54.0 block copies per "
+            "update, 2.0 of them stalls; host memory: swapped blocks registered 5.00 GiB, boundaries registered "
+            "1.50 GiB; forward compute, all blocks: 230.2 ms (estimate 134.9 ms)")
+    assert f"  {line}" in text.splitlines() and f"- {line}" in md.splitlines()
+    assert not any(x.startswith("  fp8:0:") for x in text.splitlines())  # nothing recorded for it here
+
+
 def test_summary_fails_each_target_it_misses(summary_mod, tmp_path) -> None:
     folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.70, 11 * GiB)],
                            pytest_rc=1, failures=2)

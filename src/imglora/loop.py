@@ -41,6 +41,12 @@ class Session:
     modes: bool = False  # the optimizer has train/eval modes (schedule-free): see eval_weights
     stage: str = "setup"  # what ``step`` is doing: "forward", "backward", "optimizer" (for failure reports)
     grad_norm: torch.Tensor | None = None  # the last update's gradient norm (before clipping), on the device
+    on_stage: Callable[[str], None] | None = None  # told each stage as ``step`` enters it (bench's profile)
+
+    def enter(self, stage: str) -> None:
+        self.stage = stage
+        if self.on_stage is not None:
+            self.on_stage(stage)
 
     @property
     def device(self) -> torch.device:
@@ -166,14 +172,14 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     for m in micros:
         if m.batch is None:
             continue
-        s.stage = "forward"
+        s.enter("forward")
         loss = forward_loss(s.trainable, s.memory, m.batch, m.rng, s.accelerator.autocast) / s.accum
         if m.scale != 1.0:
             loss = loss * m.scale
-        s.stage = "backward"
+        s.enter("backward")
         s.accelerator.backward(loss)
         loss_sum += loss.detach()
-    s.stage = "optimizer"
+    s.enter("optimizer")
     if s.accelerator.num_processes > 1:
         distributed.sum_gradients(s.params)
     # The norm comes with clipping; without it (max norm inf) the gradients are multiplied by 1.0, exactly.
@@ -182,6 +188,7 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     if s.scheduler is not None:
         s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
+    s.enter("done")
 
 
 def simple_micros(batches: Iterable[dict[str, torch.Tensor]], generator: Any) -> list[Micro]:

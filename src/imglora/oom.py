@@ -141,7 +141,10 @@ def guard(stages: Stages, rec: Any, device: torch.device, memory_plan: Callable[
 
 
 def step_stage(session_stage: str, first: bool) -> str:
-    """The stage of an update from ``loop.Session.stage`` ("forward", "backward", "optimizer")."""
+    """The stage of an update from ``loop.Session.stage`` ("forward", "backward", "optimizer"; "done"
+    once an update has finished)."""
+    if session_stage == "done":
+        return "between updates"
     name = {"optimizer": "optimizer step"}.get(session_stage, session_stage)
     if first:
         return {"optimizer step": "optimizer first step"}.get(name, f"first {name}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -54,3 +55,29 @@ def fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class StageTimer:
+    """Seconds of one update in each of ``loop.step``'s stages (forward, backward, optimizer; summed
+    over micro-batches), from CUDA events on the compute stream (on the CPU, the clock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.marks = device, []
+
+    def mark(self, stage: str) -> None:
+        if is_cuda(self.device):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((stage, event))
+        else:
+            self.marks.append((stage, time.perf_counter()))
+
+    def seconds(self) -> dict[str, float]:
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+        out = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        for (stage, a), (_, b) in zip(self.marks, self.marks[1:]):
+            dt = a.elapsed_time(b) / 1e3 if is_cuda(self.device) else b - a
+            out[stage] = out.get(stage, 0.0) + dt
+        out["total"] = sum(out.values())
+        return {k: round(v, 6) for k, v in out.items()}

@@ -107,6 +107,15 @@ def test_a_swapped_setting_trains_the_losses_of_the_unswapped_one() -> None:
     assert len(a["losses"]) == 3 and all(math.isfinite(x) and x > 0 for x in a["losses"])
     agreement = bench.loss_agreement([{**a, "setting": "fp8:0"}, {**b, "setting": "fp8:4"}])
     assert agreement[0]["agree"], agreement
+    # the figures the GPU check records beside seconds per update
+    for r in (a, b):
+        prof = r["profiled_update"]
+        assert set(prof) == {"forward", "backward", "optimizer", "total"} and all(v > 0 for v in prof.values())
+        assert prof["total"] == pytest.approx(prof["forward"] + prof["backward"] + prof["optimizer"], abs=3e-6)
+        assert r["setup_peak_allocated"] is None  # no CUDA statistics on the CPU
+    assert a["swap_copies"] is None
+    copies = b["swap_copies"]  # 2 double + 4 single blocks swapped, each in forward and in backward
+    assert copies["loads_per_update"] > 0 and 0 <= copies["stalls_per_update"] <= copies["loads_per_update"]
 
 
 def test_counts_the_model_cannot_have_are_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -139,10 +148,7 @@ def test_bad_numbers_exit_2_naming_the_option(args, option) -> None:
     assert r.exit_code == 2 and option in r.output and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("family", ["flux", "sdxl"])
-def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
-    """`--arch full` builds the real architecture on the meta device, then fills it; here with the
-    same code on a shrunk config (the real ones need a GPU box's memory)."""
+def shrink_full_architectures(monkeypatch) -> None:
     from imglora.families import flux, sdxl
 
     monkeypatch.setattr(flux.model, "FULL_TRANSFORMER", {
@@ -152,6 +158,13 @@ def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
         **sdxl.model.FULL_UNET, "block_out_channels": (32, 64, 64), "attention_head_dim": (2, 4, 4),
         "transformer_layers_per_block": (1, 1, 1), "cross_attention_dim": 64, "addition_time_embed_dim": 8,
         "projection_class_embeddings_input_dim": 6 * 8 + 32, "norm_num_groups": 8})
+
+
+@pytest.mark.parametrize("family", ["flux", "sdxl"])
+def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
+    """`--arch full` builds the real architecture on the meta device, then fills it; here with the
+    same code on a shrunk config (the real ones need a GPU box's memory)."""
+    shrink_full_architectures(monkeypatch)
     preset = TINY_FLUX if family == "flux" else str(REPO / "presets" / "tiny-sdxl.toml")
     blocks = 4 if family == "flux" else 0
     r = bench.run_setting({"preset": preset, "overrides": ["cache.text_max_length=16"], "precision": "fp8",
@@ -160,3 +173,35 @@ def test_full_architecture_path_runs(family: str, monkeypatch) -> None:
     assert r["sec_per_update"]["n"] == 1 and r["weight_bytes"] > 0
     if family == "flux":
         assert r["swap"]["swapped_blocks"] == 2 + 4 and r["h2d_bytes_per_update"] > 0
+
+
+@pytest.mark.parametrize("fuzz", [8, pytest.param(None, marks=pytest.mark.slow)])
+def test_full_architecture_setting_on_the_cuda_standin(monkeypatch, fuzz) -> None:
+    """The `--arch full` worker's CUDA path (tests/cuda_standin.py): FLUX built block by block with
+    swapped blocks sent to page-locked host memory, fp8, swap and offloaded boundaries on their
+    streams, the set-up peak read and reset, the profiled update timed with CUDA events; with
+    fuzzed copy latencies, no ordering violation. The config is shrunk as above."""
+    from accelerate.state import AcceleratorState
+    from cuda_standin import AsyncCuda
+
+    from imglora.memory import offload
+
+    shrink_full_architectures(monkeypatch)
+    fake = AsyncCuda(fuzz=fuzz)
+    fake.install(monkeypatch)
+    monkeypatch.setattr(offload, "MIN_BYTES", 1024)
+    AcceleratorState._reset_state(True)  # CUDA's bf16 mixed precision, not another test's state
+    try:
+        with fake.active():
+            r = bench.run_setting({"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precision": "fp8",
+                                   "blocks": 4, "steps": 2, "warmup": 1, "resolution": 64, "arch": "full"})
+    finally:
+        AcceleratorState._reset_state(True)
+    assert r["status"] == "ok", r
+    assert fake.violations == [], fake.violations
+    assert r["swap"]["swapped_blocks"] == 6 and r["swap"]["host_memory"].keys() == {"registered"}
+    assert r["offload_checkpoints"]["moves"] and r["offload_checkpoints"]["host_memory"].keys() == {"registered"}
+    assert r["setup_peak_allocated"] is not None and r["swap_copies"]["loads_per_update"] > 0
+    assert r["profiled_update"]["total"] > 0  # CUDA events' elapsed times (the stand-in's clock)
+    assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+    assert (fake.landed_early > 0) == (fuzz is not None)

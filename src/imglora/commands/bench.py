@@ -370,6 +370,13 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             batches = [family.synthetic_batch(trainable, cfg.data.max_resolution, cfg, device)]
         result["data"] = data_source
         result["setup_seconds"] = time.perf_counter() - t0
+        # The set-up peak (loading, quantizing, placing) apart from training's: reset after it.
+        devices.synchronize(device)
+        setup_mem = telemetry.memory(device)
+        result["setup_peak_allocated"], result["setup_peak_reserved"] = \
+            setup_mem["peak_allocated"], setup_mem["peak_reserved"]
+        telemetry.reset_peaks(device)
+        stats0 = memory.swapper.stats if memory.swapper else None
         stage = ""  # from here on the session says where an update is (forward, backward, optimizer)
         times = []
         h2d = []
@@ -387,6 +394,16 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)
             losses.append(float(loss_sum.item()))  # (after the timed window: .item() waits for the device)
             loss_sum.zero_()
+            if step == spec["warmup"] - 1 and memory.swapper:
+                stats0 = memory.swapper.stats  # the measured updates' copies and stalls start here
+        stats1 = memory.swapper.stats if memory.swapper else None
+        # One more update, not timed with the others, split into forward / backward / optimizer.
+        profile = telemetry.StageTimer(device)
+        session.on_stage = profile.mark
+        micro = (batches[m % len(batches)] for m in range(accum))
+        loop.step(session, loop.simple_micros(micro, torch.Generator(device=device).manual_seed(10**6)), loss_sum)
+        session.on_stage = None
+        profiled = profile.seconds()
     except torch.OutOfMemoryError as exc:
         return {**result, "status": "oom", "stage": stage or session.stage, "error": str(exc).splitlines()[0]}
     except ImgloraError as exc:  # e.g. more blocks to swap than the model has
@@ -401,7 +418,17 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_reserved": mem["peak_reserved"], "peak_rss": mem["peak_rss"],
             "h2d_bytes_per_update": statistics.fmean(h2d[spec["warmup"]:]) if measured else 0,
             "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8"),
-            "offload_checkpoints": memory.facts.get("offload_checkpoints")}
+            "offload_checkpoints": memory.facts.get("offload_checkpoints"),
+            "swap_copies": _copies(stats0, stats1, len(measured)), "profiled_update": profiled}
+
+
+def _copies(before: Any, after: Any, updates: int) -> dict[str, float] | None:
+    """Block copies per measured update, and of those the stalls (a copy issued when the block was
+    already needed: not prefetched in time)."""
+    if before is None or after is None or updates == 0:
+        return None
+    return {"loads_per_update": (after.loads - before.loads) / updates,
+            "stalls_per_update": (after.demand_loads - before.demand_loads) / updates}
 
 
 def _cached_or_synthetic(cfg: Any, family: Any, src: "ModelSource", trainable: Any, device: Any) -> tuple[list, str]:
