@@ -205,3 +205,38 @@ def test_full_architecture_setting_on_the_cuda_standin(monkeypatch, fuzz) -> Non
     assert r["profiled_update"]["total"] > 0  # CUDA events' elapsed times (the stand-in's clock)
     assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
     assert (fake.landed_early > 0) == (fuzz is not None)
+
+
+@pytest.mark.slow
+def test_full_width_flux_setting_on_the_cuda_standin(monkeypatch) -> None:
+    """`bench-swap presets/flux.toml --arch full` as the GPU check runs it, on the CUDA stand-in, at
+    FLUX.1-dev's real width (3072, 24 heads, T5's 4096-wide text, bf16 as the preset says on CUDA)
+    with the depth cut to 1 double + 4 single blocks so it fits this machine (12B parameters do not):
+    3 swapped, by kohya's count, are the double block and all 4 single ones; the boundaries at 256 px are large enough to move at the product's own 1 MiB
+    floor. About a minute and 3 GB."""
+    from accelerate.state import AcceleratorState
+    from cuda_standin import AsyncCuda
+
+    from imglora.families import flux
+
+    monkeypatch.setattr(flux.model, "FULL_TRANSFORMER", {**flux.model.FULL_TRANSFORMER, "num_layers": 1,
+                                                         "num_single_layers": 4})
+    fake = AsyncCuda(fuzz=5)
+    fake.install(monkeypatch)
+    AcceleratorState._reset_state(True)
+    try:
+        with fake.active():
+            r = bench.run_setting({"preset": str(REPO / "presets" / "flux.toml"), "overrides": ["cache.text_max_length=16"],
+                                   "precision": "fp8", "blocks": 3, "steps": 1, "warmup": 1, "resolution": 256,
+                                   "arch": "full"})
+    finally:
+        AcceleratorState._reset_state(True)
+    assert r["status"] == "ok", r
+    assert fake.violations == [] and fake.landed_early > 0, fake.violations
+    assert r["swap"]["blocks_per_list"] == {"transformer_blocks": 1, "single_transformer_blocks": 4}
+    assert r["swap"]["host_memory"].keys() == {"registered"}
+    # 4 single blocks through 2 slots, evicted lazily: 2 copies in forward, 2 in backward
+    assert r["swap_copies"] == {"loads_per_update": 4.0, "stalls_per_update": 0.0}
+    assert r["h2d_bytes_per_update"] > 4 * 130 * 2**20  # a FLUX.1-dev single block in fp8: 141 M parameters
+    assert r["offload_checkpoints"]["host_memory"].keys() == {"registered"}
+    assert all(math.isfinite(x) for x in r["losses"])
