@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,10 +315,7 @@ class AsyncCuda(FakeCuda):
         monkeypatch.setattr(torch.Tensor, "to", to)
 
         def pin_memory(t, device=None):  # a CPU-only build may refuse before the op is dispatched
-            out = t.clone()
-            self._fresh(_key(out))
-            self.host[_key(out)] = "pinned"
-            return out
+            return self._pinned(t.clone())
 
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         props = type("Props", (), {"total_memory": self.total_memory, "name": "stand-in", "major": 9, "minor": 0,
@@ -423,6 +421,20 @@ class AsyncCuda(FakeCuda):
     def _what(self, key: int) -> str:
         return f"{self.host[key]} host memory" if key in self.host else "device memory"
 
+    def _pinned(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (just allocated) is page-locked memory from PyTorch's pinned allocator, until it is
+        freed: then its address is ordinary memory again, whatever reuses it (allocations made
+        outside any op, such as ``torch.tensor``'s, are not seen here)."""
+        key = _key(out)
+        self._fresh(key)
+        self.host[key] = "pinned"
+        weakref.finalize(out, self._unpinned, key)
+        return out
+
+    def _unpinned(self, key: int) -> None:
+        if self.host.get(key) == "pinned":
+            del self.host[key]
+
     def _fresh(self, key: int | None) -> None:
         """A new allocation at ``key``: whatever lived at this address before is gone (page-locked
         memory too: a pinned staging copy freed and its address reused by the CPU allocator)."""
@@ -436,15 +448,9 @@ class AsyncCuda(FakeCuda):
         if name == "is_pinned":
             return _key(args[0]) in self.host
         if name == "_pin_memory":
-            out = args[0].clone()
-            self._fresh(_key(out))
-            self.host[_key(out)] = "pinned"
-            return out
+            return self._pinned(args[0].clone())
         if kwargs.get("pin_memory"):
-            out = func(*args, **{**kwargs, "pin_memory": False})
-            self.host[_key(out)] = "pinned"
-            self.history.pop(_key(out), None)
-            return out
+            return self._pinned(func(*args, **{**kwargs, "pin_memory": False}))
         if func is torch.ops.aten.copy_.default and stream is not self.compute and (
                 len(args) > 2 and args[2] or kwargs.get("non_blocking")):
             dst, src = args[0], args[1]
@@ -455,7 +461,7 @@ class AsyncCuda(FakeCuda):
             return dst
         if name in _NO_ACCESS or func.is_view:
             out = func(*args, **kwargs)
-            if name.startswith("empty"):
+            if name.startswith("empty") or name == "lift_fresh":  # lift_fresh: torch.tensor's new memory
                 for t in _leaves(out):
                     self._fresh(_key(t))
             return out

@@ -145,6 +145,7 @@ def test_eval_is_deterministic_and_strength_0_is_the_base_pipeline(sdxl_run) -> 
         assert not np.array_equal(pixels(folder / f"p{i}_s1.png"), expected)
 
 
+@pytest.mark.slow
 def test_all_checkpoints_plots_loss_against_step_and_names_the_best(sdxl_run) -> None:
     cfg, _ = sdxl_run
     res = CliRunner().invoke(eval_cmd, [str(cfg.run_dir), "--all-checkpoints", "--strengths", "1", "--seed", "3"])
@@ -188,6 +189,7 @@ def test_checkpoints_pruned_during_an_all_checkpoints_eval_are_skipped(sdxl_run,
     assert [r["step"] for r in record.read_records(run, "eval")[-1]["losses"]] == [1, 3]
 
 
+@pytest.mark.slow
 def test_flux_eval_with_other_memory_settings_than_training(flux_run) -> None:
     cfg, _ = flux_run
     plain = ['eval.fp8="off"', "eval.blocks_to_swap=0"]

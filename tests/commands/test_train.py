@@ -267,6 +267,7 @@ def test_a_new_run_never_overwrites_an_earlier_one(small) -> None:
     assert (cfg.run_dir / "adapter" / ADAPTER_FILE).read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resume_skips_a_damaged_checkpoint_and_refuses_changed_data(small, tmp_path, monkeypatch) -> None:
     cfg = load_cfg(small, "train.max_steps=6")  # checkpoints at 2, 4 and 6
     train(cfg, out=quiet)
@@ -305,6 +306,7 @@ def test_missing_bitsandbytes_or_cuda_fails_before_anything_loads(monkeypatch, t
         train(cfg, out=quiet)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_143_and_prints_the_exact_resume_command(small, tmp_path: Path) -> None:
     term_dir = tmp_path / "term"
     overrides = [*[o for o in small if not o.startswith(("run.output_dir", "train.max_steps", "train.checkpoint"))],
