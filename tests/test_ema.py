@@ -42,6 +42,7 @@ def test_ema_by_hand() -> None:
     assert p.tolist() == [7.0, 7.0]
 
 
+@pytest.mark.slow
 def test_training_keeps_the_average_every_n_updates_and_resumes_it(small_run, tmp_path) -> None:
     """decay 0.5 every 2 updates over 4: ema = 0.5·(0.5·initial + 0.5·weights₂) + 0.5·weights₄,
     with the average kept in host memory."""

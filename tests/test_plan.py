@@ -100,6 +100,7 @@ def test_flux_preset_is_predicted_within_ten_gib_at_1024() -> None:
         plan.Plan("flux", "cuda", 1024, "", [p]))
 
 
+@pytest.mark.slow
 def test_a_vram_budget_refuses_a_setting_that_does_not_fit_and_names_the_change_that_does(tmp_path: Path) -> None:
     base = ["memory.fp8=false", "memory.blocks_to_swap=0", f'cache.dir="{tmp_path / "c"}"']
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", base)

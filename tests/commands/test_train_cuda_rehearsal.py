@@ -70,9 +70,11 @@ def same_adapter(a: dict, b: dict) -> None:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("seeds", [(3,), pytest.param((5, 11), marks=pytest.mark.slow)])
-def test_train_tiny_flux_on_the_cuda_path(monkeypatch, tmp_path, seeds) -> None:
-    fake, rec, adapter = train_on_standin(monkeypatch, tmp_path, "tiny-flux.toml", None)
+@pytest.mark.parametrize("fuzz,seeds", [(3, ()), pytest.param(None, (3, 5, 11), marks=pytest.mark.slow)])
+def test_train_tiny_flux_on_the_cuda_path(monkeypatch, tmp_path, fuzz, seeds) -> None:
+    """One run (copies landing at random); with --slow, one with each copy landing as late as
+    allowed and three fuzzed ones, which must train the same adapter."""
+    fake, rec, adapter = train_on_standin(monkeypatch, tmp_path, "tiny-flux.toml", fuzz)
     assert fake.violations == [], fake.violations
     mem = rec["memory"]
     assert mem["swap"]["swapped_blocks"] == 6 and mem["swap"]["host_memory"].keys() == {"registered"}
@@ -83,6 +85,7 @@ def test_train_tiny_flux_on_the_cuda_path(monkeypatch, tmp_path, seeds) -> None:
     # the swap engine's copy stream and offload's side stream, beside the compute stream
     assert len({s for e in fake.log if e[0] == "record" for s in [e[2]]}) >= 3
     assert not fake.in_flight
+    assert (fake.landed_early > 0) == (fuzz is not None)
     for seed in seeds:
         monkeypatch.undo()
         fuzzed, rec_f, adapter_f = train_on_standin(monkeypatch, tmp_path, "tiny-flux.toml", seed)

@@ -55,6 +55,7 @@ def flux_files(tmp_path_factory) -> dict[str, Path]:
             "ae": write_flux_ae(tiny, d / "ae.safetensors")}
 
 
+@pytest.mark.slow
 def test_sdxl_from_one_checkpoint_trains_exactly_as_from_the_folder(tmp_path: Path, sample_dataset: Path) -> None:
     tiny = ensure_tiny(registry.get("sdxl"))
     ckpt = write_sgm_sdxl(tiny, tmp_path / "my_finetune.safetensors")
@@ -82,6 +83,7 @@ def test_a_v_prediction_checkpoint_trains_v_prediction(tmp_path: Path, sample_da
                                  torch.float32).prediction_type == "epsilon"
 
 
+@pytest.mark.slow
 def test_flux_from_its_four_files_trains_exactly_as_from_the_folder(tmp_path: Path, sample_dataset: Path,
                                                                      flux_files) -> None:
     # tiny-flux has the FP8 base and 4 swapped blocks on: blocks are quantized as they are read.
@@ -103,6 +105,7 @@ def flux_from_files(tmp_path: Path, sample_dataset: Path, f: dict[str, Path], *e
                   f"model.vae={q(f['ae'])}", f"model.config={q(ensure_tiny(registry.get('flux')))}", *extra)
 
 
+@pytest.mark.slow
 def test_the_quantized_transformer_is_cached_and_the_next_run_reads_it(tmp_path: Path, sample_dataset: Path,
                                                                        flux_files, caplog) -> None:
     first_cfg = flux_from_files(tmp_path, sample_dataset, flux_files, "run.name=first")

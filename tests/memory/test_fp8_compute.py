@@ -1,0 +1,117 @@
+"""memory.fp8_compute: the frozen fp8 Linear layers' matmuls through torch._scaled_mm (runs on the CPU
+in torch 2.13, so the numerics are tested here; the speed is a GPU measurement)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_swap import build_flux, flux_batches, flux_loss, train
+from torch import nn
+
+from imglora.memory import quantize_fp8
+from imglora.memory.fp8_compute import E4M3_MAX, _quantize_rows, enable, supported
+
+
+def one_layer(bias: bool = True) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(3)
+    dense = nn.Linear(256, 128, bias=bias)
+    with torch.no_grad():
+        dense.weight.mul_(4.0)  # weights and activations well away from 1, as in a trained model
+        if bias:
+            dense.bias.normal_(0, 0.5)
+    dense.requires_grad_(False)
+    wrapper = nn.Sequential(dense)
+    quantize_fp8(wrapper)
+    return dense, wrapper
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_rows_quantize_within_e4m3_resolution() -> None:
+    x = torch.randn(32, 64) * torch.logspace(-3, 3, 32).unsqueeze(1)  # rows six decades apart
+    q, s = _quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (32, 1)
+    assert float(q.float().abs().amax(dim=1).min()) == E4M3_MAX  # each row's largest value uses the range
+    back = q.float() * s
+    # e4m3 keeps 3 mantissa bits: a relative rounding error of at most 2**-4 per element (normal range)
+    big = x.abs() > x.abs().amax(dim=1, keepdim=True) * 2**-6
+    assert float(((back - x).abs() / x.abs())[big].max()) <= 2**-4 + 1e-6
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_layer_output_and_input_gradient_within_fp8_error(bias) -> None:
+    """Against the dequantizing path (the same fp8 weights, bf16 matmul) and the dense bf16 layer:
+    only the activations' and gradients' own fp8 rounding is added (about 2-3 % of the norm for
+    e4m3's 3 mantissa bits over random data), and the bias is the layer's."""
+    dense, wrapper = one_layer(bias)
+    ref_w = dense.weight.detach().clone()
+    x = (torch.randn(4, 16, 256) * 3).requires_grad_()
+    g = torch.randn(4, 16, 128)
+    quant = wrapper[0]
+
+    y0 = quant(x)  # quanto: dequantize, then matmul
+    (gx0,) = torch.autograd.grad(y0, x, g)
+    state = enable(wrapper)
+    assert state.layers == 1
+    y1 = quant(x)
+    (gx1,) = torch.autograd.grad(y1, x, g)
+    assert state.fp8_calls == 2 and state.fallback_calls == 0  # (one forward per grad call)
+    assert y1.shape == y0.shape and y1.dtype == x.dtype
+    assert rel(y1, y0) < 0.06 and rel(gx1, gx0) < 0.06
+    dense_y = x @ ref_w.t() + (dense.bias if bias else 0)
+    assert rel(y1, dense_y) < 0.08
+    assert rel(y1, y0) > 0  # it really ran another path
+    if bias:  # a zero input gives the bias exactly (quantizing zeros is exact)
+        zero = torch.zeros(1, 16, 256)
+        torch.testing.assert_close(quant(zero), dense.bias.expand(1, 16, 128).to(zero.dtype), rtol=0, atol=0)
+
+
+def test_a_shape_the_kernel_cannot_take_falls_back_to_dequantizing() -> None:
+    _, wrapper = one_layer()
+    quant = wrapper[0]
+    x = torch.randn(3, 256)  # 3 rows: not a multiple of 16
+    expected = quant(x)
+    state = enable(wrapper)
+    got = quant(x)
+    assert torch.equal(got, expected)  # the very same path
+    assert (state.fp8_calls, state.fallback_calls) == (0, 1)
+
+
+def test_under_bf16_autocast_the_output_is_bf16() -> None:
+    _, wrapper = one_layer()
+    enable(wrapper)
+    x = torch.randn(32, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = wrapper[0](x)
+    assert y.dtype == torch.bfloat16
+
+
+def test_tiny_flux_trains_with_fp8_compute_as_with_fp8_storage() -> None:
+    """Three AdamW updates of a tiny FLUX with LoRA: fp8 compute stays within fp8's error of the
+    fp8-storage run, loss by loss and in the LoRA gradients; the adapters (lora_A, lora_B) get
+    gradients through the fp8 path."""
+    batches = flux_batches(3, h=4, w=4, txt=16)  # 16 image + 16 text tokens: multiples of 16
+    ref = train(build_flux(ckpt=True, fp8=True), batches, flux_loss)
+    model = build_flux(ckpt=True, fp8=True)
+    state = enable(model)
+    got = train(model, batches, flux_loss)
+    assert state.layers > 50 and state.fp8_calls > state.fallback_calls > 0  # modulation layers: 2 rows
+    for a, b in zip(ref[0], got[0]):
+        assert abs(float(b) - float(a)) <= 0.05 * abs(float(a)), (ref[0], got[0])
+    for step, (ga, gb) in enumerate(zip(ref[1], got[1])):
+        total_a = torch.cat([t.flatten() for t in ga])
+        total_b = torch.cat([t.flatten() for t in gb])
+        assert rel(total_b, total_a) < 0.1, step
+        assert total_b.abs().sum() > 0
+
+
+def test_supported_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    ok, why = supported(torch.device("cuda", 0))
+    assert not ok and "compute capability 8.0" in why and "8.9 and newer" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert supported(torch.device("cuda", 0)) == (True, "")
+    assert supported(torch.device("cpu")) == (True, "")
+
