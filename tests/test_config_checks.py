@@ -153,6 +153,13 @@ def test_offloading_checkpoints_without_gradient_checkpointing_is_an_error() -> 
     assert load_config(SDXL, ["memory.offload_checkpoints=true"]).memory.offload_checkpoints
 
 
+def test_fp8_compute_without_fp8_weights_is_an_error() -> None:
+    got = problems(SDXL, ["memory.fp8_compute=true"])
+    assert got == ["--set memory.fp8_compute: runs the matmuls of fp8-stored weights, and memory.fp8 = false "
+                   "stores none; set memory.fp8 = true, or memory.fp8_compute = false"]
+    assert load_config(SDXL, ["memory.fp8_compute=true", "memory.fp8=true"]).memory.fp8_compute
+
+
 def test_a_budget_the_run_ends_before_checking_is_an_error() -> None:
     got = problems(SDXL, ["train.budget.max_hours=1", "train.max_steps=20", "train.budget.smoke_steps=50"])
     assert got == ["--set train.budget.max_hours: the budget guard checks it once, when it projects the session at "

@@ -241,7 +241,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
     profiles = {} if profiles is None else profiles  # meta runs, reusable across calls with the same key
     notes: list[str] = []
     for s in settings:
-        if s.precision in ("fp8", "model"):
+        if s.precision in ("fp8", "fp8c", "model"):
             dtype = devices.DTYPES[cfg.model.dtype] if cuda else torch.float32
         else:
             dtype = devices.DTYPES[s.precision]
@@ -252,7 +252,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             profiles[key] = profile(family, src, cfg, dtype, autocast, resolution)
         prof = profiles[key]
         model = prof.model
-        quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision == "fp8" else set()
+        quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in ("fp8", "fp8c") else set()
 
         plan_ = swap_plan(model, family, cfg, s.blocks)
         if s.blocks and not plan_:
@@ -280,7 +280,11 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         state, temps, opt_note = optimizer_bytes(cfg, prof.lora_params, cuda)
         state += ema_device
         dequant = 0
-        if quantized:
+        if quantized and s.precision == "fp8c":
+            # fp8 compute (memory.fp8_compute) dequantizes nothing; its input gradient lays the largest
+            # weight out column-major in fp8 for a moment (one byte per weight)
+            dequant = max(model.get_submodule(n).weight.numel() for n in quantized)
+        elif quantized:
             # quanto's matmul (CPU, and CUDA for fp8 weights) makes the weight in the compute dtype,
             # then that times its scales: two copies of the largest layer for a moment.
             dequant = 2 * max(model.get_submodule(n).weight.numel() for n in quantized) * \
@@ -310,7 +314,9 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
             Term("activations_saved", "activations kept for backward (checkpoint boundaries)", saved, dev),
             Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),
-            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (2 copies at once)", dequant, dev),
+            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (2 copies at once)"
+                 if s.precision != "fp8c" else "the largest fp8 weight laid out column-major for its input "
+                 "gradient (fp8 compute)", dequant, dev),
         ]
         if not cuda:
             terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,
@@ -369,7 +375,7 @@ def speed_rank(p: SettingPlan) -> tuple:
     costs time), then fewer swapped blocks."""
     if p.measured_seconds is not None:
         return (0, p.measured_seconds)
-    return (1, p.setting.precision == "fp8", p.setting.blocks)
+    return (1, p.setting.precision in ("fp8", "fp8c"), p.setting.blocks)
 
 
 def fastest_fit(plans: list[SettingPlan], vram: int | None, host_ram: int | None, device_kind: str) -> str | None:

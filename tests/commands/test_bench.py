@@ -240,3 +240,20 @@ def test_full_width_flux_setting_on_the_cuda_standin(monkeypatch) -> None:
     assert r["h2d_bytes_per_update"] > 4 * 130 * 2**20  # a FLUX.1-dev single block in fp8: 141 M parameters
     assert r["offload_checkpoints"]["host_memory"].keys() == {"registered"}
     assert all(math.isfinite(x) for x in r["losses"])
+
+
+def test_fp8_compute_is_a_setting_set_against_fp8_storage() -> None:
+    """``fp8c:N`` trains with memory.fp8_compute; its losses are compared with fp8's at the same
+    swap count, within fp8 compute's own tolerance (a broken kernel path would be far off)."""
+    assert [s.name for s in bench.parse_settings("fp8:4,fp8c:4", True)] == ["fp8:4", "fp8c:4"]
+    spec = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "steps": 2, "warmup": 1,
+            "resolution": 64, "arch": "preset", "blocks": 4}
+    a = bench.run_setting({**spec, "precision": "fp8"})
+    c = bench.run_setting({**spec, "precision": "fp8c"})
+    assert a["status"] == c["status"] == "ok" and a["losses"] != c["losses"]  # really another path
+    (agreement,) = bench.loss_agreement([{**a, "setting": "fp8:4"}, {**c, "setting": "fp8c:4"}])
+    assert agreement["agree"] and agreement["rtol"] == bench.FP8_COMPUTE_RTOL, agreement
+    assert "fp8c:4 vs fp8:4: largest relative difference" in agreement["text"]
+    wrong = {**c, "setting": "fp8c:4", "losses": [x * 1.5 for x in c["losses"]]}
+    (bad,) = bench.loss_agreement([{**a, "setting": "fp8:4"}, wrong])
+    assert not bad["agree"] and "DIFFER: fp8 compute strays from fp8 storage" in bad["text"]

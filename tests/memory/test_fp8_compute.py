@@ -12,7 +12,8 @@ from imglora.memory import quantize_fp8
 from imglora.memory.fp8_compute import E4M3_MAX, _quantize_rows, enable, supported
 
 
-def one_layer(bias: bool = True) -> tuple[nn.Module, nn.Module]:
+def one_layer(bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, nn.Module]:
+    """A frozen Linear's weight and bias (copies), and the layer quantized to fp8 in a wrapper."""
     torch.manual_seed(3)
     dense = nn.Linear(256, 128, bias=bias)
     with torch.no_grad():
@@ -20,9 +21,10 @@ def one_layer(bias: bool = True) -> tuple[nn.Module, nn.Module]:
         if bias:
             dense.bias.normal_(0, 0.5)
     dense.requires_grad_(False)
+    w, b = dense.weight.clone(), dense.bias.clone() if bias else None
     wrapper = nn.Sequential(dense)
     quantize_fp8(wrapper)
-    return dense, wrapper
+    return w, b, wrapper
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,8 +47,7 @@ def test_one_layer_output_and_input_gradient_within_fp8_error(bias) -> None:
     """Against the dequantizing path (the same fp8 weights, bf16 matmul) and the dense bf16 layer:
     only the activations' and gradients' own fp8 rounding is added (about 2-3 % of the norm for
     e4m3's 3 mantissa bits over random data), and the bias is the layer's."""
-    dense, wrapper = one_layer(bias)
-    ref_w = dense.weight.detach().clone()
+    ref_w, ref_b, wrapper = one_layer(bias)
     x = (torch.randn(4, 16, 256) * 3).requires_grad_()
     g = torch.randn(4, 16, 128)
     quant = wrapper[0]
@@ -57,19 +58,19 @@ def test_one_layer_output_and_input_gradient_within_fp8_error(bias) -> None:
     assert state.layers == 1
     y1 = quant(x)
     (gx1,) = torch.autograd.grad(y1, x, g)
-    assert state.fp8_calls == 2 and state.fallback_calls == 0  # (one forward per grad call)
+    assert state.fp8_calls == 1 and state.fallback_calls == 0
     assert y1.shape == y0.shape and y1.dtype == x.dtype
-    assert rel(y1, y0) < 0.06 and rel(gx1, gx0) < 0.06
-    dense_y = x @ ref_w.t() + (dense.bias if bias else 0)
-    assert rel(y1, dense_y) < 0.08
+    assert rel(y1, y0) < 0.04 and rel(gx1, gx0) < 0.04  # measured 0.026 and 0.026
+    dense_y = x @ ref_w.t() + (ref_b if bias else 0)
+    assert rel(y1, dense_y) < 0.05  # measured 0.037 (the dequantizing path alone: 0.025)
     assert rel(y1, y0) > 0  # it really ran another path
     if bias:  # a zero input gives the bias exactly (quantizing zeros is exact)
         zero = torch.zeros(1, 16, 256)
-        torch.testing.assert_close(quant(zero), dense.bias.expand(1, 16, 128).to(zero.dtype), rtol=0, atol=0)
+        torch.testing.assert_close(quant(zero), ref_b.expand(1, 16, 128), rtol=0, atol=0)
 
 
 def test_a_shape_the_kernel_cannot_take_falls_back_to_dequantizing() -> None:
-    _, wrapper = one_layer()
+    _, _, wrapper = one_layer()
     quant = wrapper[0]
     x = torch.randn(3, 256)  # 3 rows: not a multiple of 16
     expected = quant(x)
@@ -80,7 +81,7 @@ def test_a_shape_the_kernel_cannot_take_falls_back_to_dequantizing() -> None:
 
 
 def test_under_bf16_autocast_the_output_is_bf16() -> None:
-    _, wrapper = one_layer()
+    _, _, wrapper = one_layer()
     enable(wrapper)
     x = torch.randn(32, 256)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -115,3 +116,54 @@ def test_supported_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch) -> None:
     assert supported(torch.device("cuda", 0)) == (True, "")
     assert supported(torch.device("cpu")) == (True, "")
 
+
+def test_apply_memory_switches_the_layers_or_says_why_not(monkeypatch) -> None:
+    """memory.fp8_compute through apply_memory, as the trainer installs it: on a GPU without fp8
+    tensor cores the run says why and keeps dequantizing; where it runs, the fp8 layers switch."""
+    from dataclasses import replace
+
+    from imglora.config.schema import MemoryConfig
+    from imglora.memory import fp8_compute as mod
+    from imglora.memory.wrap import apply_memory
+
+    class Family:
+        quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
+
+    class Cfg:
+        memory = replace(MemoryConfig(), fp8=True, fp8_compute=True)
+
+    said: list[str] = []
+    monkeypatch.setattr(mod, "supported", lambda device: (False, "this GPU (compute capability 8.0) has no fp8"))
+    setup = apply_memory(build_flux(), Family, Cfg, torch.device("cpu"), out=said.append)
+    assert setup.facts["fp8_compute"] == {"enabled": False, "reason": "this GPU (compute capability 8.0) has no fp8"}
+    assert said[-1] == ("memory.fp8_compute: this GPU (compute capability 8.0) has no fp8; the fp8 weights are "
+                        "dequantized for bf16 matmuls instead")
+    monkeypatch.setattr(mod, "supported", lambda device: (True, ""))
+    model = build_flux()
+    setup = apply_memory(model, Family, Cfg, torch.device("cpu"), out=said.append)
+    n = setup.facts["fp8_compute"]["layers"]
+    assert setup.facts["fp8_compute"]["enabled"] and n == setup.facts["fp8"]["quantized_layers"] > 50
+    assert said[-1] == f"fp8 compute: {n} Linear layers multiply in fp8 (torch._scaled_mm)"
+
+
+def test_fp8_compute_with_block_swap_on_the_cuda_standin(monkeypatch) -> None:
+    """The fp8 kernels read weights from the swap engine's slots (and save them for backward) on the
+    CUDA path: training with swap equals training without it, with no ordering violation."""
+    from cuda_standin import AsyncCuda
+    from test_cuda_rehearsal import installed
+    from test_swap import assert_same_training, flux_blocks
+
+    def build():
+        model = build_flux(ckpt=True, fp8=True)
+        enable(model)
+        return model
+
+    batches = flux_batches(2, h=4, w=4, txt=16)
+    ref = train(build(), batches, flux_loss)
+    fake = AsyncCuda(fuzz=9)
+    fake.install(monkeypatch)
+    model, sw = installed(build, flux_blocks, fake)
+    with fake.active():
+        got = train(model, batches, flux_loss, sw)
+    assert_same_training(ref, got)
+    assert fake.violations == [] and sw.stats.loads > 0

@@ -46,14 +46,15 @@ class Setting:
 
 
 def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
-    """``"0,9,18"`` or ``"fp8:0,fp8:18,bf16:0"``; a bare number takes --fp8/--no-fp8."""
+    """``"0,9,18"`` or ``"fp8:0,fp8:18,bf16:0"``; a bare number takes --fp8/--no-fp8. ``fp8c``: fp8
+    weights with fp8 compute (memory.fp8_compute)."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         precision, _, number = item.rpartition(":")
         precision = precision or ("fp8" if default_fp8 else "model")
-        if precision not in ("fp8", "model", "bf16", "fp16", "fp32") or not number.isdigit():
-            raise OptionError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, bf16, fp16 "
-                               "or fp32 (e.g. 0,9,18 or fp8:18,bf16:0)")
+        if precision not in ("fp8", "fp8c", "model", "bf16", "fp16", "fp32") or not number.isdigit():
+            raise OptionError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, fp8c (fp8 "
+                               "compute), bf16, fp16 or fp32 (e.g. 0,9,18 or fp8:18,fp8c:18,bf16:0)")
         out.append(Setting(precision, int(number)))
     if not out:
         raise OptionError("--blocks: give at least one setting")
@@ -215,6 +216,9 @@ def best_setting(results: list[dict[str, Any]], vram_budget: int | None) -> dict
 # on fp32, and within bf16's resolution (8 bits of mantissa: 2**-8 relative) where the model runs
 # under bf16 autocast -- on CUDA some kernels (attention backward) are not bitwise deterministic.
 LOSS_RTOL = {"fp32": 1e-4, "default": 2**-8 * 2}
+# fp8 compute against fp8 storage: each matmul adds e4m3's rounding of its input (about 2.6 % of a
+# layer's output, tests/memory/test_fp8_compute.py); a tiny FLUX's losses stayed within 5 %.
+FP8_COMPUTE_RTOL = 0.05
 
 
 def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -237,6 +241,22 @@ def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "agree": ok, "text": f"{r['setting']} vs {ref['setting']}: largest relative difference "
                                              f"{diff:.2e} over {len(pairs)} updates (tolerance {rtol:.1e}): "
                                              f"{'agree' if ok else 'DIFFER: one of the two paths computes wrongly'}"})
+    # fp8 compute (fp8c) rounds activations and gradients to fp8 too: its losses are set against fp8
+    # storage's at the same swap count, within FP8_COMPUTE_RTOL
+    fp8 = {r["setting"].split(":")[1]: r for r in groups.get("fp8", [])}
+    for r in groups.get("fp8c", []):
+        ref = fp8.get(r["setting"].split(":")[1])
+        if ref is None:
+            continue
+        pairs = list(zip(ref["losses"], r["losses"]))
+        finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
+        diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
+        ok = finite and diff <= FP8_COMPUTE_RTOL
+        out.append({"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff,
+                    "rtol": FP8_COMPUTE_RTOL, "agree": ok,
+                    "text": f"{r['setting']} vs {ref['setting']}: largest relative difference {diff:.2e} over "
+                            f"{len(pairs)} updates (fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}): "
+                            f"{'agree' if ok else 'DIFFER: fp8 compute strays from fp8 storage'}"})
     return out
 
 
@@ -332,10 +352,10 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
 
     device = devices.default_device()
     overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}"]
-    if spec["precision"] == "fp8":
-        overrides.append("memory.fp8=true")
+    if spec["precision"] in ("fp8", "fp8c"):
+        overrides += ["memory.fp8=true", f"memory.fp8_compute={str(spec['precision'] == 'fp8c').lower()}"]
     else:
-        overrides.append("memory.fp8=false")
+        overrides += ["memory.fp8=false", "memory.fp8_compute=false"]
         if spec["precision"] != "model":
             overrides.append(f"model.dtype=\"{spec['precision']}\"")
     if spec.get("resolution"):

@@ -301,6 +301,12 @@ class MemoryConfig:
     gradient_checkpointing: bool = setting(True, help="Recompute activations in backward to save memory.",
                                            resume_safe=True)
     fp8: bool = setting(False, help="Store frozen base weights as float8 (optimum-quanto qfloat8).")
+    fp8_compute: bool = setting(
+        False, help="With memory.fp8: run the frozen layers' matmuls in fp8 (torch._scaled_mm, per-token input "
+                    "scales, the bias fused) instead of dequantizing each weight for a bf16 matmul, on GPUs with "
+                    "fp8 tensor cores (compute capability 8.9+; elsewhere the run says so and dequantizes). The "
+                    "LoRA branch stays in the compute dtype. Off by default until measured on a GPU.",
+        resume_safe=True)
     blocks_to_swap: int = setting(0, help="Transformer blocks kept in host memory and streamed to the GPU as they "
                                           "run; the family says how a count maps onto its block lists (as kohya "
                                           "sd-scripts counts).", min=0, max=1000, resume_safe=True)

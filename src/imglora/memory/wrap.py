@@ -75,6 +75,8 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
         out(report.summary())
         setup.facts["fp8"] = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after,
                               "quantized_layers": report.n_quantized, "kept_layers": list(report.kept)}
+        if m.fp8_compute:
+            setup.facts["fp8_compute"] = fp8_compute(model, device, out)
     if m.offload_checkpoints and m.gradient_checkpointing:
         from .offload import install
 
@@ -117,6 +119,20 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
         + ("1 block ahead until update 2 measures copies and compute (memory.swap_prefetch = 0: auto)"
            if tuner is not None and tuner.grow else f"{max(depth, 1)} block(s) ahead"))
     return setup
+
+
+def fp8_compute(model: nn.Module, device: torch.device, out: Callable[[str], None]) -> dict[str, Any]:
+    """memory.fp8_compute: the fp8 layers' matmuls through torch._scaled_mm where the device has fp8
+    tensor cores; elsewhere the run says why and keeps dequantizing."""
+    from .fp8_compute import enable, supported
+
+    ok, why = supported(device)
+    if not ok:
+        out(f"memory.fp8_compute: {why}; the fp8 weights are dequantized for bf16 matmuls instead")
+        return {"enabled": False, "reason": why}
+    state = enable(model)
+    out(f"fp8 compute: {state.layers} Linear layers multiply in fp8 (torch._scaled_mm)")
+    return {"enabled": True, "layers": state.layers}
 
 
 def prefetch_tuner(cfg: Any, device: torch.device, setup: MemorySetup, out: Callable[[str], None]) -> Any:
