@@ -33,7 +33,8 @@
 # Environment: PYTHON (default: the first of python3, python that has torch); GPU_CHECK_PIP=0 never
 # runs pip (no wheel install); GPU_CHECK_WHEELS (default .whl); GPU_CHECK_STEPS (default "bench
 # pytest probe plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
-# dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds).
+# dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds);
+# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0; fp8c:N is fp8 compute).
 
 set -u
 
@@ -280,6 +281,10 @@ else
     SIZE_ARGS=(--resolution 1024)
     SUMMARY_ARGS=(--swapped "$SWAPPED")
 fi
+# GPU_CHECK_BLOCKS replaces the settings (e.g. fp8:18,fp8:0,fp8c:18 adds fp8 compute; keep the
+# swapped setting first): each gets an equal share of the bench step's time.
+BLOCKS=${GPU_CHECK_BLOCKS:-$BLOCKS}
+n_settings=$(( $(printf '%s' "$BLOCKS" | tr -cd ',' | wc -c) + 1 ))
 
 # ------------------------------------------------------------------------------ 1: bench-swap
 if ! wanted bench; then
@@ -288,7 +293,7 @@ elif [ "$DEPS_OK" -eq 1 ]; then
     t=$(budget 240)
     # Each setting gets its share, so a slow one cannot take the other's result with it
     # (bench.json is written at the end; finished settings also leave setting-N/result.json).
-    per_setting=$(( (t - 20) / 2 ))
+    per_setting=$(( (t - 20) / n_settings ))
     [ "$per_setting" -lt 10 ] && per_setting=10
     run_step bench "$t" "${IMGLORA[@]}" bench-swap "$PRESET" "${BENCH_ARGS[@]}" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
         --blocks "$BLOCKS" --set memory.swap_prefetch=1 --timeout "$per_setting" --out "$OUT/bench-flux"

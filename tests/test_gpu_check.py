@@ -399,6 +399,7 @@ def test_dry_run_on_the_cuda_standin_takes_the_cuda_paths(tmp_path) -> None:
     out, reports = tmp_path / "check", tmp_path / "standin"
     env = _script_env()
     env.update(IMGLORA_CUDA_STANDIN="7", IMGLORA_CUDA_STANDIN_REPORT=str(reports), GPU_CHECK_STEPS="bench plan",
+               GPU_CHECK_BLOCKS="fp8:4,fp8:0,fp8c:4",  # fp8 compute too, as a GPU_CHECK_BLOCKS run adds it
                PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "standin_site"), env["PYTHONPATH"]]))
     r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=600)
@@ -408,15 +409,17 @@ def test_dry_run_on_the_cuda_standin_takes_the_cuda_paths(tmp_path) -> None:
     seen = [json.loads(f.read_text()) for f in reports.glob("*.json")]
     assert seen and all(s["violations"] == [] for s in seen)
     workers = {Path(s["argv"][1]).parent.name: s for s in seen if s["argv"][0].endswith("bench.py")}
-    assert set(workers) == {"setting-1", "setting-2"}
+    assert set(workers) == {"setting-1", "setting-2", "setting-3"}
     swapped = workers["setting-1"]  # fp8:4, first
     # compute, the swap engine's copy stream, the offloaded boundaries' side stream
-    assert swapped["streams"] == ["compute", "copy", "copy"] and swapped["host"] == ["pinned", "registered"]
+    assert swapped["streams"] == ["compute", "copy", "copy"] and swapped["host"] == ["registered"]  # at exit
     assert workers["setting-2"]["streams"] == ["compute", "copy"]  # fp8:0: offload only
     assert swapped["landed_early"] > 0 and swapped["copies_in_flight_at_exit"] == 0
     bench = json.loads((out / "bench-flux" / "bench.json").read_text())
-    assert [x["status"] for x in bench["results"]] == ["ok", "ok"]
+    assert [(x["setting"], x["status"]) for x in bench["results"]] == [("fp8:4", "ok"), ("fp8:0", "ok"), ("fp8c:4", "ok")]
     assert all(x["offload_checkpoints"]["host_memory"].keys() == {"registered"} for x in bench["results"])
+    assert workers["setting-3"]["streams"] == ["compute", "copy", "copy"]  # fp8c:4 swaps as fp8:4 does
+    assert [a["agree"] for a in bench["loss_agreement"]] == [True, True], bench["loss_agreement"]
 
 
 @pytest.mark.slow
