@@ -121,6 +121,11 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
                 trainable_parameters=n_params,
                 total_updates=total, resumed_from=start or None, memory=session.memory.facts,
                 memory_plan=memory_plan, processes=procs, effective_batch=effective)
+        # Set-up (caching, loading, quantizing, placing) has its own peak; the loop's is measured apart,
+        # as `imglora plan` predicts it.
+        devices.synchronize(device)
+        rec.set(setup_peak_memory=telemetry.memory(device))
+        telemetry.reset_peaks(device)
 
         # -- the loop --------------------------------------------------------------------------
         t_loop = time.perf_counter()

@@ -81,6 +81,7 @@ def test_train_tiny_flux_on_the_cuda_path(monkeypatch, tmp_path, fuzz, seeds) ->
     assert mem["offload_checkpoints"]["moves"] and mem["offload_checkpoints"]["host_memory"].keys() == {"registered"}
     assert mem["fp8"]["quantized_layers"] > 0
     assert rec["peak_memory"]["peak_allocated"] is not None  # the CUDA statistics were read
+    assert rec["setup_peak_memory"]["peak_allocated"] is not None  # set-up's peak, apart from the loop's
     assert rec["status"] == "ok" and rec["steps_done"] == 2
     # the swap engine's copy stream and offload's side stream, beside the compute stream
     assert len({s for e in fake.log if e[0] == "record" for s in [e[2]]}) >= 3
