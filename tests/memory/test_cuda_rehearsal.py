@@ -323,3 +323,16 @@ def test_offload_copying_before_the_boundary_is_computed_is_caught(standin, monk
     assert any(v.startswith("a non_blocking copy on the copy stream reads device memory that") for v in fake.violations), \
         fake.violations
     fake.violations.clear()
+
+
+def test_offload_refuses_a_second_backward_through_one_graph(standin) -> None:
+    """The boundaries' buffers are given back after their recompute; a second backward through the
+    same graph (retain_graph) is refused with the setting to change, not a crash deep in autograd."""
+    fake = standin()
+    model, off, _ = offloaded_flux(False)
+    with fake.active():
+        loss = flux_loss(model, flux_batches(1)[0], None)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="a second backward through the same graph is not supported with "
+                                               r"offloaded checkpoints \(set memory.offload_checkpoints = false\)"):
+            loss.backward()

@@ -167,3 +167,28 @@ def test_fp8_compute_with_block_swap_on_the_cuda_standin(monkeypatch) -> None:
         got = train(model, batches, flux_loss, sw)
     assert_same_training(ref, got)
     assert fake.violations == [] and sw.stats.loads > 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_with_fp8_tensor_cores_one_layer_within_fp8_error() -> None:
+    """The same check on CUDA under bf16 autocast, where the kernel is the tensor cores' (rows and
+    sizes multiples of 16, row-wise scales, bf16 output)."""
+    from imglora.memory import to_device
+
+    ok, why = supported(torch.device("cuda", torch.cuda.current_device()))
+    if not ok:
+        pytest.skip(why)
+    _, _, wrapper = one_layer(True)
+    to_device(wrapper, "cuda")
+    quant = wrapper[0]
+    x = (torch.randn(4, 16, 256, device="cuda") * 3).requires_grad_()
+    g = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y0 = quant(x)
+    (gx0,) = torch.autograd.grad(y0, x, g)
+    state = enable(wrapper)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y1 = quant(x)
+    (gx1,) = torch.autograd.grad(y1, x, g)
+    assert state.fp8_calls == 1 and y1.dtype == torch.bfloat16
+    assert rel(y1, y0) < 0.04 and rel(gx1, gx0) < 0.04

@@ -56,6 +56,11 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _kernel_dtype(wanted: torch.dtype, device: torch.device) -> torch.dtype:
+    """The kernel's output dtype: on CUDA row-wise scaled fp8 matmuls give bf16 only (cast after)."""
+    return torch.bfloat16 if device.type == "cuda" else wanted
+
+
 def _fits(rows: int, cols_in: int, cols_out: int) -> bool:
     return rows % 16 == 0 and cols_in % 16 == 0 and cols_out % 16 == 0
 
@@ -68,11 +73,12 @@ class _ScaledMatmul(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         xq, xs = _quantize_rows(x2)
         ws = scale.reshape(1, -1).float()  # [1, out]: per output channel
-        b = bias.to(out_dtype) if bias is not None else None
-        y = torch._scaled_mm(xq, data.t(), scale_a=xs, scale_b=ws, bias=b, out_dtype=out_dtype)
+        kernel = _kernel_dtype(out_dtype, x.device)
+        b = bias.to(kernel) if bias is not None else None
+        y = torch._scaled_mm(xq, data.t(), scale_a=xs, scale_b=ws, bias=b, out_dtype=kernel)
         ctx.save_for_backward(data, scale)
         ctx.x_dtype, ctx.x_shape = x.dtype, shape
-        return y.reshape(*shape[:-1], data.shape[0])
+        return y.to(out_dtype).reshape(*shape[:-1], data.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -81,8 +87,8 @@ class _ScaledMatmul(torch.autograd.Function):
         gq, gs = _quantize_rows(g2)
         w_col = data.t().contiguous().t()  # [out, in], column-major: the kernel's layout for mat2
         ones = torch.ones(1, data.shape[1], dtype=torch.float32, device=data.device)
-        gx = torch._scaled_mm(gq, w_col, scale_a=gs, scale_b=ones, out_dtype=torch.bfloat16
-                              if ctx.x_dtype == torch.bfloat16 else torch.float32)
+        gx = torch._scaled_mm(gq, w_col, scale_a=gs, scale_b=ones, out_dtype=_kernel_dtype(
+            torch.bfloat16 if ctx.x_dtype == torch.bfloat16 else torch.float32, data.device))
         return gx.to(ctx.x_dtype).reshape(ctx.x_shape), None, None, None, None
 
 

@@ -76,7 +76,7 @@ class OffloadingCheckpoint:
         # for the run record: whether boundaries move, and host memory held by kind (bytes)
         self.facts: dict[str, Any] = {"moves": self.cuda, "host_memory": {}}
         self._free: dict[int, list[torch.Tensor]] = {}  # nbytes -> idle host buffers
-        self._registered: list[torch.Tensor] = []  # buffers to unregister in close()
+        self._registered: list[torch.Tensor] = []  # registered buffers (unregistered by the finalizer)
         self._pending: list[_Boundary] = []  # forward order; recomputes take them from the end
         self._stream: Any = None
         if self.cuda:  # unregisters the buffers when this goes (the finalizer keeps them until then)
@@ -137,6 +137,7 @@ class OffloadingCheckpoint:
             side.wait_event(allocated)
             for d, h in zip(back, entry.host):
                 d.copy_(h, non_blocking=True)
+                d.record_stream(side)  # if dropped before the compute stream waits, not reused early
             entry.ready = torch.cuda.Event()
             entry.ready.record(side)
         entry.back = [d.requires_grad_(g) for d, g in zip(back, entry.grads)]
@@ -144,6 +145,10 @@ class OffloadingCheckpoint:
     def _recompute_inputs(self, entry: _Boundary) -> list[torch.Tensor]:
         self._bring_back(entry)
         back = entry.back
+        if back is None:
+            raise RuntimeError("memory.offload_checkpoints: a block's saved inputs were already given back; a "
+                               "second backward through the same graph is not supported with offloaded "
+                               "checkpoints (set memory.offload_checkpoints = false)")
         if entry in self._pending:
             self._pending.remove(entry)
         if self._pending:  # the next block backward recomputes: its copy overlaps with this block
