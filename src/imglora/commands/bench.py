@@ -223,41 +223,33 @@ FP8_COMPUTE_RTOL = 0.05
 
 def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each precision with more than one finished setting: the largest relative difference of
-    each setting's per-update losses from the first's, and whether it is within tolerance."""
+    each setting's per-update losses from the first's, and whether it is within tolerance. fp8
+    compute (fp8c) rounds activations and gradients to fp8 too: its losses are also set against fp8
+    storage's at the same swap count, within FP8_COMPUTE_RTOL."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if r.get("status") == "ok" and r.get("losses"):
             groups.setdefault(r["setting"].split(":")[0], []).append(r)
     out = []
     for precision, rs in groups.items():
-        ref = rs[0]
         rtol = LOSS_RTOL.get(precision, LOSS_RTOL["default"]) if rs[0].get("device") == "cuda" else LOSS_RTOL["fp32"]
-        for r in rs[1:]:
-            pairs = list(zip(ref["losses"], r["losses"]))
-            finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
-            diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
-            ok = finite and diff <= rtol
-            out.append({"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff, "rtol": rtol,
-                        "agree": ok, "text": f"{r['setting']} vs {ref['setting']}: largest relative difference "
-                                             f"{diff:.2e} over {len(pairs)} updates (tolerance {rtol:.1e}): "
-                                             f"{'agree' if ok else 'DIFFER: one of the two paths computes wrongly'}"})
-    # fp8 compute (fp8c) rounds activations and gradients to fp8 too: its losses are set against fp8
-    # storage's at the same swap count, within FP8_COMPUTE_RTOL
+        out += [_agreement(rs[0], r, rtol, f"tolerance {rtol:.1e}", "one of the two paths computes wrongly")
+                for r in rs[1:]]
     fp8 = {r["setting"].split(":")[1]: r for r in groups.get("fp8", [])}
-    for r in groups.get("fp8c", []):
-        ref = fp8.get(r["setting"].split(":")[1])
-        if ref is None:
-            continue
-        pairs = list(zip(ref["losses"], r["losses"]))
-        finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
-        diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
-        ok = finite and diff <= FP8_COMPUTE_RTOL
-        out.append({"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff,
-                    "rtol": FP8_COMPUTE_RTOL, "agree": ok,
-                    "text": f"{r['setting']} vs {ref['setting']}: largest relative difference {diff:.2e} over "
-                            f"{len(pairs)} updates (fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}): "
-                            f"{'agree' if ok else 'DIFFER: fp8 compute strays from fp8 storage'}"})
+    out += [_agreement(fp8[r["setting"].split(":")[1]], r, FP8_COMPUTE_RTOL,
+                       f"fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}", "fp8 compute strays from fp8 storage")
+            for r in groups.get("fp8c", []) if r["setting"].split(":")[1] in fp8]
     return out
+
+
+def _agreement(ref: dict[str, Any], r: dict[str, Any], rtol: float, tolerance: str, differ: str) -> dict[str, Any]:
+    pairs = list(zip(ref["losses"], r["losses"]))
+    finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
+    diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
+    ok = finite and diff <= rtol
+    return {"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff, "rtol": rtol, "agree": ok,
+            "text": f"{r['setting']} vs {ref['setting']}: largest relative difference {diff:.2e} over "
+                    f"{len(pairs)} updates ({tolerance}): {'agree' if ok else 'DIFFER: ' + differ}"}
 
 
 COLUMNS = ("setting", "status", "s/update median", "p10", "p90", "peak alloc GiB", "peak reserved GiB",

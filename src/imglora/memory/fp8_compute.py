@@ -40,7 +40,7 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_mm"
-    if device.type == "cuda" or is_cuda(device):
+    if is_cuda(device):  # (the CUDA rehearsal on the CPU stands for a Hopper card)
         major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
         if (major, minor) < (8, 9):
             return False, (f"this GPU (compute capability {major}.{minor}) has no fp8 tensor cores "
