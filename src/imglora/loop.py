@@ -42,6 +42,7 @@ class Session:
     stage: str = "setup"  # what ``step`` is doing: "forward", "backward", "optimizer" (for failure reports)
     grad_norm: torch.Tensor | None = None  # the last update's gradient norm (before clipping), on the device
     on_stage: Callable[[str], None] | None = None  # told each stage as ``step`` enters it (bench's profile)
+    direct: bool = False  # clip and step without accelerate's wrappers (see ``steps_directly``)
 
     def enter(self, stage: str) -> None:
         self.stage = stage
@@ -144,7 +145,19 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
         trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
                                                          device_placement=[memory.swapper is None, True])
     return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
-                   cfg.train.max_grad_norm, ema, modes)
+                   cfg.train.max_grad_norm, ema, modes, direct=steps_directly(accelerator))
+
+
+def steps_directly(accelerator: Any) -> bool:
+    """One process and no loss scaler (fp32 or bf16; fp16 has one): accelerate's clipping and
+    optimizer wrappers would only call ``clip_grad_norm_`` and the optimizer's own ``step``, after
+    per-update checks of their own (an importlib lookup for LOMO in every ``step``, a signature
+    inspection in every ``zero_grad``, DTensor checks). ``step`` then calls torch directly: the same
+    math, less host time per update (``benchmarks/overhead.py``)."""
+    from accelerate.utils import DistributedType
+
+    return (accelerator.num_processes == 1 and accelerator.scaler is None
+            and accelerator.distributed_type == DistributedType.NO)
 
 
 def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, torch.Tensor], generator: Any,
@@ -183,11 +196,16 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     if s.accelerator.num_processes > 1:
         distributed.sum_gradients(s.params)
     # The norm comes with clipping; without it (max norm inf) the gradients are multiplied by 1.0, exactly.
-    s.grad_norm = s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
-    s.optimizer.step()
+    if s.direct:
+        optimizer = s.optimizer.optimizer  # (accelerate's AcceleratedOptimizer holds the optimizer)
+        s.grad_norm = torch.nn.utils.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
+        optimizer.step()
+    else:
+        s.grad_norm = s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
+        s.optimizer.step()
     if s.scheduler is not None:
         s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    (optimizer if s.direct else s.optimizer).zero_grad(set_to_none=True)
     s.enter("done")
 
 

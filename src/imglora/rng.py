@@ -72,5 +72,15 @@ class BatchRNG:
         return torch.randint(low, high, tuple(shape), generator=self.g, device=device)
 
 
+def seed_global(seed: int) -> None:
+    """What ``torch.manual_seed`` does for the devices training uses: the CPU generator, and CUDA's
+    once CUDA is initialized (training on a GPU initializes it before the loop). Without CUDA,
+    ``torch.manual_seed`` also queues a lazy seeding for each accelerator torch knows (CUDA, XPU,
+    MTIA), each recording the caller's stack: host time the loop spends once per update for nothing."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 def draws(rng: "SampleRNG | BatchRNG | torch.Generator") -> "SampleRNG | BatchRNG":
     return BatchRNG(rng) if isinstance(rng, torch.Generator) else rng

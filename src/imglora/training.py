@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan_budget, record, resume,
-               runlock, runlog, telemetry, trackers)
+               rng, runlock, runlog, telemetry, trackers)
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
@@ -146,7 +146,7 @@ def _loop(run: "_Run", stop: "_StopFlag", batcher: Batcher, rank: int, procs: in
     cfg, session, data, family, accum, total = run.cfg, run.s, run.data, run.family, run.cfg.train.grad_accum, run.total
     for step in range(run.start + 1, total + 1):
         run.step = step
-        torch.manual_seed(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
+        rng.seed_global(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
         loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device), run.loss_sum)
         run.note_non_finite(step)  # on the device: no .item(), no wait for the device
         if session.ema is not None and step % cfg.train.ema_every == 0:

@@ -120,3 +120,52 @@ def test_one_update_through_the_shared_step(prepared) -> None:
     after = dict(session.model.named_parameters())
     assert any(not torch.equal(after[n], v) for n, v in before.items())
     assert all(p.grad is None for p in session.params)  # zeroed for the next update
+
+
+def test_the_direct_step_is_accelerates_step_bit_for_bit(prepared) -> None:
+    """One process, no loss scaler: ``step`` clips and steps the optimizer itself (accelerate's
+    wrappers add per-update checks and nothing else). The same update from the same state, on the
+    same tensors, through both ways: the same gradient norm and weights, bit for bit (the same
+    kernels on the same memory)."""
+    import copy
+
+    family, cfg, model_dir, data = prepared
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=4, out=lambda s: None)
+    assert session.direct and loop.steps_directly(session.accelerator)
+    batch = family.collate([data.samples[0].variants[0]])
+    loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(0)), torch.zeros(()))  # some state
+    start = [p.detach().clone() for p in session.params]
+    opt_state = copy.deepcopy(session.optimizer.state_dict())
+    sched_state = copy.deepcopy(session.scheduler.state_dict())
+    results = []
+    for direct in (True, False):
+        with torch.no_grad():
+            for p, v in zip(session.params, start):
+                p.copy_(v)
+        session.optimizer.load_state_dict(copy.deepcopy(opt_state))
+        session.scheduler.load_state_dict(copy.deepcopy(sched_state))
+        session.direct = direct
+        torch.manual_seed(2)  # LoRA dropout (the LLM preset's) draws from the global RNG, as in the loop
+        loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(1)), torch.zeros(()))
+        results.append((session.grad_norm.clone(), [p.detach().clone() for p in session.params],
+                         session.scheduler.get_last_lr()))
+    (norm_a, params_a, lr_a), (norm_b, params_b, lr_b) = results
+    assert float(norm_a) > 0 and torch.equal(norm_a, norm_b) and lr_a == lr_b
+    assert any(not torch.equal(a, s) for a, s in zip(params_a, start))  # the update moved the weights
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    assert all(p.grad is None for p in session.params)
+
+
+def test_a_loss_scaler_keeps_accelerates_step() -> None:
+    """fp16's loss scaler (and several processes) need accelerate's wrappers: unscaling before
+    clipping, skipping an overflowed step."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    assert not loop.steps_directly(SimpleNamespace(num_processes=1, scaler=object(),
+                                                   distributed_type=DistributedType.NO))
+    assert not loop.steps_directly(SimpleNamespace(num_processes=2, scaler=None,
+                                                   distributed_type=DistributedType.MULTI_CPU))
+    assert loop.steps_directly(SimpleNamespace(num_processes=1, scaler=None, distributed_type=DistributedType.NO))
