@@ -34,7 +34,8 @@
 # runs pip (no wheel install); GPU_CHECK_WHEELS (default .whl); GPU_CHECK_STEPS (default "bench
 # pytest probe plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
 # dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds);
-# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0; fp8c:N is fp8 compute).
+# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0; fp8c:N is fp8 compute, a
+# +compile suffix compiled blocks: fp8c+compile:18; its first update counts the compilation).
 
 set -u
 

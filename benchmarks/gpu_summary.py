@@ -72,7 +72,7 @@ def read_bench(path: Path | None) -> tuple[dict[str, Any] | None, str | None]:
         result, _ = read_json(folder / "result.json")
         if spec is None:
             continue
-        name = f"{spec.get('precision')}:{spec.get('blocks')}"
+        name = spec.get("setting") or f"{spec.get('precision')}:{spec.get('blocks')}"
         results.append({"setting": name, **result} if result is not None else
                        {"setting": name, "status": "unfinished", "stage": "unknown",
                         "error": "no result.json: bench-swap was stopped during this setting"})

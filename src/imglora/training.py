@@ -182,6 +182,13 @@ def _quiet(_: str) -> None:
     pass
 
 
+def _compile_graphs(cfg: "Config") -> dict[str, int] | None:
+    """memory.compile: the graphs dynamo compiled and its recompilations (new bucket shapes)."""
+    from .memory import compile as compiled
+
+    return compiled.graphs() if cfg.memory.compile != "none" else None
+
+
 class _Run:
     """What the "every N updates" blocks share: the log, timing, checkpoints, the budget projection."""
 
@@ -384,7 +391,7 @@ class _Run:
         rec.set(finish_seconds=round(time.perf_counter() - t_finish, 3))
         rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
                 sec_per_update=telemetry.steady_state(self.step_times, WARMUP_UPDATES),
-                peak_memory=telemetry.memory(self.device),
+                peak_memory=telemetry.memory(self.device), compile_graphs=_compile_graphs(cfg),
                 final_loss=next((r["loss"] for r in reversed(self.history) if "loss" in r), None),
                 final_val_loss=next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None),
                 adapter=str(adapter) if adapter else None, last_checkpoint=str(ckpt_path) if ckpt_path else None,

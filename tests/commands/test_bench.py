@@ -97,6 +97,39 @@ def test_losses_of_one_precision_must_agree() -> None:
     assert gpu[0]["agree"] and gpu[0]["rtol"] == pytest.approx(2**-7)
 
 
+def test_compiled_settings_parse_and_are_held_to_their_eager_setting_s_losses() -> None:
+    settings = bench.parse_settings("fp8c+compile:18, fp8+compile:0,+compile:4,18", default_fp8=True)
+    assert [(s.name, s.precision, s.compiled) for s in settings] == [
+        ("fp8c+compile:18", "fp8c", True), ("fp8+compile:0", "fp8", True), ("fp8+compile:4", "fp8", True),
+        ("fp8:18", "fp8", False)]
+    with pytest.raises(ImgloraError, match=r"'fp8\+compiled:1'.* each optionally followed by \+compile"):
+        bench.parse_settings("fp8+compiled:1", default_fp8=True)
+    results = [_trained("fp8:18", [1.0, 0.5]), _trained("fp8+compile:18", [1.0, 0.5 * (1 + 2e-5)]),
+               _trained("fp8+compile:0", [1.0, 0.5 * (1 + 3e-5)]), _trained("fp8c+compile:0", [1.0, 0.7])]
+    pairs = {(a["reference"], a["setting"]): a["agree"] for a in bench.loss_agreement(results)}
+    # compiled against compiled (one precision), and each compiled setting against its eager one where run
+    assert pairs == {("fp8+compile:18", "fp8+compile:0"): True, ("fp8:18", "fp8+compile:18"): True}
+    bad = bench.loss_agreement([_trained("fp8:0", [1.0]), _trained("fp8+compile:0", [1.1])])
+    assert bad[0]["text"].endswith("DIFFER: compiled blocks compute differently")
+
+
+@pytest.mark.slow
+def test_a_compiled_setting_reports_its_compile_time_and_trains_the_eager_losses() -> None:
+    spec = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precision": "fp8", "steps": 2,
+            "warmup": 1, "resolution": 64, "arch": "preset", "blocks": 4}
+    eager = bench.run_setting(spec)
+    comp = bench.run_setting({**spec, "compile": True})
+    assert eager["status"] == comp["status"] == "ok"
+    assert eager["compile"] is None and eager["compile_seconds"] is None
+    assert comp["compile"]["blocks"] == 12 and comp["compile"]["fp8_layers_in_graph"] > 0
+    # the first update compiled both kinds of block: far above the median of the others
+    assert comp["compile_seconds"] == pytest.approx(comp["first_update_seconds"] - comp["sec_per_update"]["median"])
+    assert comp["compile_seconds"] > 10 * comp["sec_per_update"]["median"]
+    (agreement,) = bench.loss_agreement([{**eager, "setting": "fp8:4"}, {**comp, "setting": "fp8+compile:4"}])
+    assert agreement["agree"] and agreement["reference"] == "fp8:4", agreement
+    assert "first update" in bench._one_line({**comp, "status": "ok"})
+
+
 def test_a_swapped_setting_trains_the_losses_of_the_unswapped_one() -> None:
     """The worker records each update's loss; swapping 4 blocks does not change them."""
     spec = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precision": "fp8", "steps": 2,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import atomic
 from ..errors import ImgloraError
+from .bench_agreement import COMPILED, FP8_COMPUTE_RTOL, LOSS_RTOL, loss_agreement  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from ..source import ModelSource
@@ -39,23 +40,29 @@ class OptionError(ImgloraError):
 class Setting:
     precision: str  # "fp8" or the model dtype ("bf16", "fp16", "fp32")
     blocks: int     # kohya-style blocks_to_swap
+    compiled: bool = False  # memory.compile = "blocks"
 
     @property
     def name(self) -> str:
-        return f"{self.precision}:{self.blocks}"
+        return f"{self.precision}{COMPILED if self.compiled else ''}:{self.blocks}"
+
+
 
 
 def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
     """``"0,9,18"`` or ``"fp8:0,fp8:18,bf16:0"``; a bare number takes --fp8/--no-fp8. ``fp8c``: fp8
-    weights with fp8 compute (memory.fp8_compute)."""
+    weights with fp8 compute (memory.fp8_compute); ``+compile`` after the precision: compiled
+    blocks (memory.compile = "blocks")."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         precision, _, number = item.rpartition(":")
-        precision = precision or ("fp8" if default_fp8 else "model")
+        compiled = precision.endswith(COMPILED)
+        precision = precision.removesuffix(COMPILED) or ("fp8" if default_fp8 else "model")
         if precision not in ("fp8", "fp8c", "model", "bf16", "fp16", "fp32") or not number.isdigit():
             raise OptionError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, fp8c (fp8 "
-                               "compute), bf16, fp16 or fp32 (e.g. 0,9,18 or fp8:18,fp8c:18,bf16:0)")
-        out.append(Setting(precision, int(number)))
+                               "compute), bf16, fp16 or fp32, each optionally followed by +compile (compiled "
+                               "blocks; e.g. 0,9,18 or fp8:18,fp8c:18,fp8c+compile:18,bf16:0)")
+        out.append(Setting(precision, int(number), compiled))
     if not out:
         raise OptionError("--blocks: give at least one setting")
     return out
@@ -102,6 +109,7 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
     for i, s in enumerate(settings, 1):
         out(f"[{i}/{len(settings)}] {s.name}: running in a fresh process ...")
         spec = {"preset": preset, "overrides": list(overrides), "precision": s.precision, "blocks": s.blocks,
+                "compile": s.compiled, "setting": s.name,
                 "steps": steps, "warmup": warmup, "resolution": resolution, "arch": arch, "processes": gpus}
         results.append(_run_worker(spec, out_dir / f"setting-{i}", timeout))
         out("    " + _one_line(results[-1]))
@@ -170,8 +178,8 @@ def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str,
     folder.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = folder / "spec.json", folder / "result.json"
     spec_path.write_text(json.dumps(spec))
-    base = {"setting": f"{spec['precision']}:{spec['blocks']}", "precision": spec["precision"],
-            "blocks": spec["blocks"]}
+    base = {"setting": spec.get("setting") or f"{spec['precision']}:{spec['blocks']}", "precision": spec["precision"],
+            "blocks": spec["blocks"], "compiled": bool(spec.get("compile"))}
     try:
         args = [str(spec_path), str(result_path)]
         if spec.get("processes", 1) > 1:  # data parallel: every process times the same updates
@@ -209,47 +217,6 @@ def best_setting(results: list[dict[str, Any]], vram_budget: int | None) -> dict
     best = min(fits, key=lambda r: r["sec_per_update"]["median"])
     return {"setting": best["setting"], "text": f"{best['setting']} at {best['sec_per_update']['median']:.3f} "
                                                f"s/update{note}"}
-
-
-# Settings of one precision train the same math on the same weights, seeds and batches (swapping
-# moves bytes, it does not change them), so their per-update losses must agree: to float32 rounding
-# on fp32, and within bf16's resolution (8 bits of mantissa: 2**-8 relative) where the model runs
-# under bf16 autocast -- on CUDA some kernels (attention backward) are not bitwise deterministic.
-LOSS_RTOL = {"fp32": 1e-4, "default": 2**-8 * 2}
-# fp8 compute against fp8 storage: each matmul adds e4m3's rounding of its input (about 2.6 % of a
-# layer's output, tests/memory/test_fp8_compute.py); a tiny FLUX's losses stayed within 5 %.
-FP8_COMPUTE_RTOL = 0.05
-
-
-def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each precision with more than one finished setting: the largest relative difference of
-    each setting's per-update losses from the first's, and whether it is within tolerance. fp8
-    compute (fp8c) rounds activations and gradients to fp8 too: its losses are also set against fp8
-    storage's at the same swap count, within FP8_COMPUTE_RTOL."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        if r.get("status") == "ok" and r.get("losses"):
-            groups.setdefault(r["setting"].split(":")[0], []).append(r)
-    out = []
-    for precision, rs in groups.items():
-        rtol = LOSS_RTOL.get(precision, LOSS_RTOL["default"]) if rs[0].get("device") == "cuda" else LOSS_RTOL["fp32"]
-        out += [_agreement(rs[0], r, rtol, f"tolerance {rtol:.1e}", "one of the two paths computes wrongly")
-                for r in rs[1:]]
-    fp8 = {r["setting"].split(":")[1]: r for r in groups.get("fp8", [])}
-    out += [_agreement(fp8[r["setting"].split(":")[1]], r, FP8_COMPUTE_RTOL,
-                       f"fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}", "fp8 compute strays from fp8 storage")
-            for r in groups.get("fp8c", []) if r["setting"].split(":")[1] in fp8]
-    return out
-
-
-def _agreement(ref: dict[str, Any], r: dict[str, Any], rtol: float, tolerance: str, differ: str) -> dict[str, Any]:
-    pairs = list(zip(ref["losses"], r["losses"]))
-    finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
-    diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
-    ok = finite and diff <= rtol
-    return {"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff, "rtol": rtol, "agree": ok,
-            "text": f"{r['setting']} vs {ref['setting']}: largest relative difference {diff:.2e} over "
-                    f"{len(pairs)} updates ({tolerance}): {'agree' if ok else 'DIFFER: ' + differ}"}
 
 
 COLUMNS = ("setting", "status", "s/update median", "p10", "p90", "peak alloc GiB", "peak reserved GiB",
@@ -327,7 +294,8 @@ def _one_line(r: dict[str, Any]) -> str:
         return f"{r['status']} at stage {r.get('stage', '?')}: {r.get('error', '')[:200]}"
     mem = (f"peak {r['peak_allocated'] / 2**30:.2f} GiB allocated" if r.get("peak_allocated") is not None
            else f"peak RSS {r['peak_rss'] / 2**30:.2f} GiB")
-    return f"{r['sec_per_update']['median']:.3f} s/update, {mem}"
+    compiled = f", first update {r['first_update_seconds']:.1f} s (compiling)" if r.get("compile_seconds") else ""
+    return f"{r['sec_per_update']['median']:.3f} s/update, {mem}{compiled}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,6 +320,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             overrides.append(f"model.dtype=\"{spec['precision']}\"")
     if spec.get("resolution"):
         overrides.append(f"data.resolution={spec['resolution']}")
+    if spec.get("compile"):
+        overrides.append('memory.compile="blocks"')
     cfg = load_config(spec["preset"], overrides)
     family = family_of(cfg)
     dtype = devices.weight_dtype(cfg, device)
@@ -426,7 +396,10 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     return {**result, "status": "ok", "stage": "done",
             "sec_per_update": {"median": statistics.median(measured), "mean": statistics.fmean(measured),
                                "p10": q[0], "p90": q[-1], "n": len(measured), "warmup": spec["warmup"]},
-            "all_update_seconds": times, "losses": losses, "peak_allocated": mem["peak_allocated"],
+            "all_update_seconds": times, "losses": losses,
+            # The first update compiles the blocks (memory.compile): its excess over the median is the compile time.
+            "first_update_seconds": times[0], "compile_seconds": times[0] - statistics.median(measured)
+            if memory.facts.get("compile") else None, "compile": memory.facts.get("compile"), "peak_allocated": mem["peak_allocated"],
             "peak_reserved": mem["peak_reserved"], "peak_rss": mem["peak_rss"],
             "h2d_bytes_per_update": statistics.fmean(h2d[spec["warmup"]:]) if measured else 0,
             "swap": memory.facts.get("swap"), "fp8": memory.facts.get("fp8"),

@@ -307,6 +307,11 @@ class MemoryConfig:
                     "fp8 tensor cores (compute capability 8.9+; elsewhere the run says so and dequantizes). The "
                     "LoRA branch stays in the compute dtype. Off by default until measured on a GPU.",
         resume_safe=True)
+    compile: Literal["none", "blocks"] = setting("none", help="\"blocks\": torch.compile each transformer block's "
+        "forward (one graph per kind; swap and offload hooks outside). The first update compiles. Works with fp8, "
+        "swap, checkpointing and every adapter type. Off until measured on a GPU.", resume_safe=True)
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = setting("default", help="torch.compile's mode "
+        "(CUDA graphs are not offered: swap and offload move tensors a captured graph cannot follow).", resume_safe=True)
     blocks_to_swap: int = setting(0, help="Transformer blocks kept in host memory and streamed to the GPU as they "
                                           "run; the family says how a count maps onto its block lists (as kohya "
                                           "sd-scripts counts).", min=0, max=1000, resume_safe=True)

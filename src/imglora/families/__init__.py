@@ -62,6 +62,10 @@ class Registry:
         if cfg.lora.type not in family.adapter_types:
             problems.append(f"{where('lora.type')}: the {name} family trains {', '.join(family.adapter_types)} "
                             f"adapters, not {cfg.lora.type}")
+        if cfg.memory.compile != "none" and not getattr(family, "compile_blocks", ()):
+            able = [n for n in FAMILIES if getattr(FAMILIES[n], "compile_blocks", ())]
+            problems.append(f"{where('memory.compile')}: compiled blocks are implemented for the {', '.join(able)} "
+                            f"families; set it to \"none\" for {name}")
         family.check_config(cfg, where, problems)
 
 

@@ -63,9 +63,19 @@ def swapped_modules(model: nn.Module, family: Any, cfg: Any, blocks_to_swap: int
 
 def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
                  out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> MemorySetup:
-    """FP8 or 4-bit base weights and block swapping as ``cfg.memory`` asks (``blocks_to_swap``, when
-    given, replaces the preset's swap setting: the evaluation pass and benchmarks choose their own);
-    the model ends on ``device``."""
+    """FP8 or 4-bit base weights, block swapping and compiled blocks as ``cfg.memory`` asks
+    (``blocks_to_swap``, when given, replaces the preset's swap setting: the evaluation pass and
+    benchmarks choose their own); the model ends on ``device``."""
+    setup = _placed(model, family, cfg, device, out, blocks_to_swap)
+    if cfg.memory.compile == "blocks":  # last: the swap engine's and offload's hooks stay outside the graphs
+        from .compile import install
+
+        setup.facts["compile"] = install(model, family, cfg.memory.compile_mode, out)
+    return setup
+
+
+def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: Callable[[str], None],
+            blocks_to_swap: int | None) -> MemorySetup:
     setup = MemorySetup()
     m = cfg.memory
     if m.fp8:

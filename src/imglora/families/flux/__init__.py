@@ -44,6 +44,7 @@ class FluxFamily:
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     swappable_blocks = swap.BLOCK_LISTS
+    compile_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # memory.compile = "blocks"
     streams_blocks = True  # the transformer is read block by block (stream.py): plan's host-RAM term
     export_formats = keys.FORMATS
     # lora.text_encoder: CLIP-L gets the adapter (its pooled output is then computed per step); T5 stays

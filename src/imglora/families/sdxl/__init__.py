@@ -33,6 +33,7 @@ class SdxlFamily:
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     lora_scope = ""
     quantize_exclude = ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
+    compile_blocks = ("BasicTransformerBlock", "ResnetBlock2D")  # memory.compile = "blocks": the UNet's repeated blocks
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)
     export_formats = keys.FORMATS

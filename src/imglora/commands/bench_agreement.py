@@ -1,0 +1,58 @@
+"""``bench-swap``'s check that its settings trained the same losses (a fast but wrong path shows here)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+COMPILED = "+compile"  # a setting's suffix: its blocks compiled (fp8c+compile:18)
+
+
+# Settings of one precision train the same math on the same weights, seeds and batches (swapping
+# moves bytes, it does not change them), so their per-update losses must agree: to float32 rounding
+# on fp32, and within bf16's resolution (8 bits of mantissa: 2**-8 relative) where the model runs
+# under bf16 autocast -- on CUDA some kernels (attention backward) are not bitwise deterministic.
+LOSS_RTOL = {"fp32": 1e-4, "default": 2**-8 * 2}
+# fp8 compute against fp8 storage: each matmul adds e4m3's rounding of its input (about 2.6 % of a
+# layer's output, tests/memory/test_fp8_compute.py); a tiny FLUX's losses stayed within 5 %.
+FP8_COMPUTE_RTOL = 0.05
+
+
+def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each precision with more than one finished setting: the largest relative difference of
+    each setting's per-update losses from the first's, and whether it is within tolerance. fp8
+    compute (fp8c) rounds activations and gradients to fp8 too: its losses are also set against fp8
+    storage's at the same swap count, within FP8_COMPUTE_RTOL."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r.get("status") == "ok" and r.get("losses"):
+            groups.setdefault(r["setting"].split(":")[0], []).append(r)
+    # Compiled blocks compute the same math as their eager setting (inductor rounds a little differently).
+    out = []
+    for precision, rs in groups.items():
+        rtol = LOSS_RTOL.get(precision, LOSS_RTOL["default"]) if rs[0].get("device") == "cuda" else LOSS_RTOL["fp32"]
+        out += [_agreement(rs[0], r, rtol, f"tolerance {rtol:.1e}", "one of the two paths computes wrongly")
+                for r in rs[1:]]
+    fp8 = {r["setting"].split(":")[1]: r for r in groups.get("fp8", [])}
+    out += [_agreement(fp8[r["setting"].split(":")[1]], r, FP8_COMPUTE_RTOL,
+                       f"fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}", "fp8 compute strays from fp8 storage")
+            for r in groups.get("fp8c", []) if r["setting"].split(":")[1] in fp8]
+    eager = {r["setting"]: r for key, rs in groups.items() if not key.endswith(COMPILED) for r in rs}
+    for key, rs in groups.items():
+        for r in rs if key.endswith(COMPILED) else []:
+            ref = eager.get(r["setting"].replace(COMPILED, ""))
+            if ref is not None:
+                rtol = LOSS_RTOL.get(ref["setting"].split(":")[0], LOSS_RTOL["default"]) \
+                    if r.get("device") == "cuda" else LOSS_RTOL["fp32"]
+                out.append(_agreement(ref, r, rtol, f"tolerance {rtol:.1e}", "compiled blocks compute differently"))
+    return out
+
+
+def _agreement(ref: dict[str, Any], r: dict[str, Any], rtol: float, tolerance: str, differ: str) -> dict[str, Any]:
+    pairs = list(zip(ref["losses"], r["losses"]))
+    finite = all(math.isfinite(a) and math.isfinite(b) for a, b in pairs) and bool(pairs)
+    diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=math.inf) if finite else math.inf
+    ok = finite and diff <= rtol
+    return {"reference": ref["setting"], "setting": r["setting"], "max_rel_diff": diff, "rtol": rtol, "agree": ok,
+            "text": f"{r['setting']} vs {ref['setting']}: largest relative difference {diff:.2e} over "
+                    f"{len(pairs)} updates ({tolerance}): {'agree' if ok else 'DIFFER: ' + differ}"}
