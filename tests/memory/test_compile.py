@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from imglora import loop
 from imglora.commands.common import family_of, load_config
 from imglora.commands.train import train
-from imglora.errors import ConfigError
+from imglora.errors import ConfigError, ImgloraError
 from imglora.memory import compile as compiled
 from imglora.models import resolve_model
 
@@ -77,6 +77,18 @@ def test_fp8_compute_and_dora_on_fp8_run_between_graphs() -> None:
     assert facts["eager_layers"] == s.memory.facts["fp8"]["quantized_layers"] and facts["fp8_layers_in_graph"] == 0
     d = _session("tiny-flux", 'memory.compile="blocks"', 'lora.type="dora"')
     assert d.memory.facts["compile"]["eager_layers"] > 0
+
+
+def test_a_machine_without_a_compiler_is_refused_before_anything_compiles(monkeypatch) -> None:
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ImgloraError, match=r'memory.compile = "blocks": torch.compile on the CPU needs a C\+\+ '
+                                           r'compiler, and none is on PATH \(apt install g\+\+\); or set '
+                                           r'memory.compile = "none"'):
+        _session("tiny-flux", 'memory.compile="blocks"')
+    monkeypatch.undo()
+    assert compiled.toolchain_problem(torch.device("cpu")) is None  # this machine has one (the slow tests use it)
 
 
 def test_sdxl_compiles_its_transformer_and_resnet_blocks() -> None:

@@ -90,9 +90,37 @@ def eager_dora(model: nn.Module) -> int:
     return n
 
 
-def install(model: nn.Module, family: Any, mode: str, out: Callable[[str], None]) -> dict[str, Any]:
+def toolchain_problem(device: torch.device) -> str | None:
+    """What inductor lacks to compile for ``device`` on this machine, or None: a C++ compiler for
+    the CPU; triton and a C compiler (for triton's launcher) for CUDA."""
+    import os
+    import shutil
+
+    from ..devices import is_cuda
+
+    if is_cuda(device) and device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch.compile on CUDA needs triton, which this torch install lacks (pip install triton)"
+        if not any(shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c):
+            return "triton needs a C compiler to build its launcher, and none is on PATH (apt install gcc)"
+        return None
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c):
+        return "torch.compile on the CPU needs a C++ compiler, and none is on PATH (apt install g++)"
+    return None
+
+
+def install(model: nn.Module, family: Any, mode: str, device: torch.device,
+            out: Callable[[str], None]) -> dict[str, Any]:
     """Compile the forward of each block ``family.compile_blocks`` names (see the module docstring);
-    returns the facts for the run record."""
+    returns the facts for the run record. Refuses, before any compilation, a machine that cannot
+    compile."""
+    from ..errors import ImgloraError
+
+    problem = toolchain_problem(device)
+    if problem:
+        raise ImgloraError(f"memory.compile = \"blocks\": {problem}; or set memory.compile = \"none\"")
     blocks = blocks_to_compile(model, family)
     quanto = _has_quanto(model)
     fp8_layers = traceable_fp8(model) if quanto else 0

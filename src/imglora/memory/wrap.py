@@ -70,7 +70,7 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     if cfg.memory.compile == "blocks":  # last: the swap engine's and offload's hooks stay outside the graphs
         from .compile import install
 
-        setup.facts["compile"] = install(model, family, cfg.memory.compile_mode, out)
+        setup.facts["compile"] = install(model, family, cfg.memory.compile_mode, device, out)
     return setup
 
 
