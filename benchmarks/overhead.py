@@ -43,7 +43,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEFAULTS = ["lora.rank=8", "lora.alpha=8", 'model.dtype="fp32"',
+DEFAULTS = ["lora.rank=8", 'train.mixed_precision="no"',  # (the bare loop runs without autocast, on a GPU too) "lora.alpha=8", 'model.dtype="fp32"',
             "train.checkpoint_every=0"]
 FAMILY_DEFAULTS = {  # attention LoRA, and FLUX's bf16 path (no fp8, no swap)
     "sdxl": ['lora.targets=["to_q","to_k","to_v","to_out.0"]'],
@@ -64,7 +64,7 @@ class Imglora:
         trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
         self.session = loop.build_session(cfg, family, trainable, accelerator, total=10**6, out=lambda s: None)
         self.loss_sum = torch.zeros((), device=device)
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)  # (the loop's check: its cost counts)
 
     def update(self, step: int) -> None:
         import torch
@@ -183,6 +183,9 @@ class Bare:
         from imglora.families.flux.model import image_ids, pack_latents
 
         settings = self.cfg.family
+        if settings.resolution_dependent_shift or settings.loss_weighting != "none" or "loss_mask" in batch:
+            sys.exit("overhead.py's bare FLUX loop has the plain loss only: set flux.resolution_dependent_shift = "
+                     "false and flux.loss_weighting = \"none\", and use a dataset without masks")
         n, _, h, w = latents.shape
         x0 = pack_latents(latents)
         noise = torch.randn_like(x0)
@@ -228,7 +231,8 @@ def check_same_math(imglora: Imglora, bare: Bare, batch: dict[str, Any], seed: i
     import torch
 
     with torch.no_grad():
-        mine = float(imglora.session.trainable.loss(batch, torch.Generator(device="cpu").manual_seed(seed)))
+        generator = torch.Generator(device=imglora.device).manual_seed(seed)  # (draws as the global RNG's on that device)
+        mine = float(imglora.session.trainable.loss(batch, generator))
         torch.manual_seed(seed)
         theirs = float(bare.loss(batch))
     rel = abs(mine - theirs) / max(abs(theirs), 1e-12)

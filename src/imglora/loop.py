@@ -145,7 +145,17 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
         trainable.model, optimizer = accelerator.prepare(trainable.model, optimizer,
                                                          device_placement=[memory.swapper is None, True])
     return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
-                   cfg.train.max_grad_norm, ema, modes, direct=steps_directly(accelerator))
+                   cfg.train.max_grad_norm, ema, modes,
+                   direct=steps_directly(accelerator) and _takes_set_to_none(optimizer))
+
+
+def _takes_set_to_none(optimizer: Any) -> bool:
+    """Whether the optimizer's ``zero_grad`` takes ``set_to_none`` (torch's all do; a user's own
+    class may not: accelerate's wrapper then calls it without, and so does the session)."""
+    import inspect
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return "set_to_none" in inspect.signature(inner.zero_grad).parameters
 
 
 def steps_directly(accelerator: Any) -> bool:

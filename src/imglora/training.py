@@ -76,6 +76,10 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     if not main:
         out = _quiet  # one voice: the main process prints, logs and writes
     device = accelerator.device
+    if cfg.memory.compile != "none":
+        from .memory.compile import require_toolchain
+
+        require_toolchain(device)  # before the cache is filled and the model loaded
     memory_plan = plan_budget.check_at_start(cfg, family, src, device.type, out)  # refuses before loading when it cannot fit
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
     rec.main = main  # only the main process writes the record

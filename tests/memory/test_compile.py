@@ -45,7 +45,7 @@ def test_the_fp8_forward_for_graphs_is_quantos_math() -> None:
     x = torch.randn(5, 7, 64, requires_grad=True)
     y_quanto = model(x)
     (g_quanto,) = torch.autograd.grad(y_quanto.square().sum(), x)
-    assert compiled.traceable_fp8(model) == 2
+    assert compiled.prepare_fp8([model]) == (2, 0)
     assert all(m.forward.__func__ is compiled.dequantizing_forward for m in (model[0], model[2]))
     y_ours = model(x)
     (g_ours,) = torch.autograd.grad(y_ours.square().sum(), x)
@@ -62,7 +62,7 @@ def test_install_compiles_one_forward_per_block_and_keeps_every_key() -> None:
     facts = s.memory.facts["compile"]
     assert facts["kinds"] == {"FluxTransformerBlock": 4, "FluxSingleTransformerBlock": 8} and facts["blocks"] == 12
     assert facts["mode"] == "default" and facts["eager_layers"] == 0
-    n_fp8 = eager.memory.facts["fp8"]["quantized_layers"]
+    n_fp8 = eager.memory.facts["fp8"]["quantized_layers"]  # all inside the blocks (the rest is excluded)
     assert n_fp8 > 0 and facts["fp8_layers_in_graph"] == n_fp8
     model = s.model
     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
@@ -76,7 +76,13 @@ def test_fp8_compute_and_dora_on_fp8_run_between_graphs() -> None:
     facts = s.memory.facts["compile"]
     assert facts["eager_layers"] == s.memory.facts["fp8"]["quantized_layers"] and facts["fp8_layers_in_graph"] == 0
     d = _session("tiny-flux", 'memory.compile="blocks"', 'lora.type="dora"')
-    assert d.memory.facts["compile"]["eager_layers"] > 0
+    dora = d.memory.facts["compile"]
+    n_dora = sum(1 for m in d.model.modules() if getattr(m, "use_dora", {}).get("default"))
+    assert n_dora > 0 and dora["eager_layers"] == n_dora  # each DoRA base once
+    assert dora["eager_layers"] + dora["fp8_layers_in_graph"] == d.memory.facts["fp8"]["quantized_layers"]
+    both = _session("tiny-flux", 'memory.compile="blocks"', 'lora.type="dora"', "memory.fp8_compute=true")
+    f = both.memory.facts["compile"]  # a layer both DoRA's base and fp8 compute's is counted once
+    assert f["eager_layers"] == both.memory.facts["fp8"]["quantized_layers"] and f["fp8_layers_in_graph"] == 0
 
 
 def test_a_machine_without_a_compiler_is_refused_before_anything_compiles(monkeypatch) -> None:
@@ -88,7 +94,8 @@ def test_a_machine_without_a_compiler_is_refused_before_anything_compiles(monkey
                                            r'memory.compile = "none"'):
         _session("tiny-flux", 'memory.compile="blocks"')
     monkeypatch.undo()
-    assert compiled.toolchain_problem(torch.device("cpu")) is None  # this machine has one (the slow tests use it)
+    found = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    assert (compiled.toolchain_problem(torch.device("cpu")) is None) == found
 
 
 def test_sdxl_compiles_its_transformer_and_resnet_blocks() -> None:
@@ -138,7 +145,10 @@ def _close(a: list[float], b: list[float], rtol: float) -> bool:
     ("tiny-flux", ('lora.type="dora"',), 1e-5),
     ("tiny-flux", ('lora.type="loha"',), 1e-5),
     ("tiny-flux", ('lora.type="lokr"',), 1e-5),
-    ("tiny-flux", ("memory.fp8_compute=true",), 1e-3),  # its fallback layers dequantize with the bias in the matmul
+    # fp8 compute's layers run eagerly, unchanged, but they round their inputs to e4m3: a last-bit
+    # difference from inductor's fused work before them can flip an element's fp8 rounding
+    # (measured: 1.3e-4 over 4 updates on the sample data).
+    ("tiny-flux", ("memory.fp8_compute=true",), 1e-3),
     ("tiny-sdxl", (), 1e-5),
 ])
 def test_compiled_blocks_train_what_eager_trains(small_run, preset, extra, rtol) -> None:
@@ -153,6 +163,7 @@ def test_compiled_blocks_train_what_eager_trains(small_run, preset, extra, rtol)
     assert _relative(wb, wa) <= 100 * rtol, _relative(wb, wa)
     rec = json.loads(b.record.read_text())
     assert rec["memory"]["compile"]["blocks"] > 0 and rec["compile_graphs"]["unique_graphs"] >= 2
+    assert rec["compile_graphs"]["frames_compiled"] >= 2
     assert json.loads(a.record.read_text())["compile_graphs"] is None
 
 

@@ -27,25 +27,32 @@ def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         if r.get("status") == "ok" and r.get("losses"):
             groups.setdefault(r["setting"].split(":")[0], []).append(r)
-    # Compiled blocks compute the same math as their eager setting (inductor rounds a little differently).
     out = []
     for precision, rs in groups.items():
-        rtol = LOSS_RTOL.get(precision, LOSS_RTOL["default"]) if rs[0].get("device") == "cuda" else LOSS_RTOL["fp32"]
+        rtol = _rtol(precision, rs[0])
         out += [_agreement(rs[0], r, rtol, f"tolerance {rtol:.1e}", "one of the two paths computes wrongly")
                 for r in rs[1:]]
     fp8 = {r["setting"].split(":")[1]: r for r in groups.get("fp8", [])}
     out += [_agreement(fp8[r["setting"].split(":")[1]], r, FP8_COMPUTE_RTOL,
                        f"fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}", "fp8 compute strays from fp8 storage")
             for r in groups.get("fp8c", []) if r["setting"].split(":")[1] in fp8]
+    # Compiled blocks compute the same math as their eager setting (inductor rounds a little differently).
     eager = {r["setting"]: r for key, rs in groups.items() if not key.endswith(COMPILED) for r in rs}
     for key, rs in groups.items():
         for r in rs if key.endswith(COMPILED) else []:
             ref = eager.get(r["setting"].replace(COMPILED, ""))
             if ref is not None:
-                rtol = LOSS_RTOL.get(ref["setting"].split(":")[0], LOSS_RTOL["default"]) \
-                    if r.get("device") == "cuda" else LOSS_RTOL["fp32"]
+                rtol = _rtol(key, r)
                 out.append(_agreement(ref, r, rtol, f"tolerance {rtol:.1e}", "compiled blocks compute differently"))
     return out
+
+
+def _rtol(precision: str, r: dict[str, Any]) -> float:
+    """The tolerance of a precision's settings among themselves (compiled or not): float32 rounding
+    off CUDA, the model dtype's under CUDA autocast."""
+    if r.get("device") != "cuda":
+        return LOSS_RTOL["fp32"]
+    return LOSS_RTOL.get(precision.removesuffix(COMPILED), LOSS_RTOL["default"])
 
 
 def _agreement(ref: dict[str, Any], r: dict[str, Any], rtol: float, tolerance: str, differ: str) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 Every module of a class the family names in ``compile_blocks`` gets its ``forward`` compiled: FLUX's
 double and single blocks, SDXL's transformer and ResNet blocks. The blocks of one class share their
 code, and their parameters are inputs to the graph, not constants in it. So dynamo compiles one
-graph per kind of block, and not one per block: FLUX.1-dev's 57 blocks compile two graphs, forward
-and backward. This is diffusers' "regional compilation", and it is what musubi-tuner's ``--compile``
+graph per kind and shape of block, not one per block: FLUX.1-dev's 57 blocks compile two forward
+graphs (and their backward). SDXL's blocks come in several widths, one graph each. This is diffusers' "regional compilation", and it is what musubi-tuner's ``--compile``
 and OneTrainer's compiled blocks do. Inductor fuses the memory-bound work between the matmuls
 (norms, modulation, GELU, RoPE, casts, LoRA's scaling) into fewer kernels.
 
@@ -13,12 +13,12 @@ run eagerly, as before: the swap engine's loads and evictions, offloaded checkpo
 the gradient-checkpointing wrapper that the model puts around each block call.
 
 * **fp8 weights.** quanto's fp8 linear dispatches on its tensor subclass, which dynamo cannot compile
-  (its graph outputs alias a subclass). Under compilation each fp8 layer gets a forward of the same
-  math on the subclass's inner tensors instead: ``scale * data`` in the scale's dtype, then the
-  matmul, as quanto's ``qbytes_mm`` computes it, with the bias added in the matmul. Inductor's
-  partitioner then decides per layer whether backward keeps the dequantized weight or recomputes
-  it from the fp8 bytes. fp8 compute (``memory.fp8_compute``) keeps ``torch._scaled_mm``; its
-  fallback calls take this forward too.
+  (its graph outputs alias a subclass). Under compilation each fp8 layer of a compiled block gets
+  a forward of the same math on the subclass's inner tensors instead: ``scale * data`` in the
+  scale's dtype, then the matmul, as quanto's ``qbytes_mm`` computes it, with the bias added in the
+  matmul. Inductor's partitioner then decides per layer whether backward keeps the dequantized
+  weight or recomputes it from the fp8 bytes. fp8 compute's layers (``memory.fp8_compute``) and the
+  fp8 bases of DoRA adapters run eagerly between graphs, unchanged (:func:`prepare_fp8`).
 * **Shapes.** The first update at a new bucket shape compiles again. From the second shape on,
   dynamo marks the changing sizes dynamic ("automatic dynamic shapes"), and one graph serves the
   rest.
@@ -54,40 +54,61 @@ def dequantizing_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(input.to(scale.dtype), weight, self.bias)
 
 
-def traceable_fp8(model: nn.Module) -> int:
-    """Give each fp8 QLinear of ``model`` :func:`dequantizing_forward`. A layer that fp8 compute took
-    keeps its ``torch._scaled_mm`` forward; its fallback calls take this one. Returns the layers
-    changed."""
+def _fp8_layers(module: nn.Module) -> list[nn.Module]:
+    """The fp8 (qfloat8) QLinear layers in ``module``."""
     from optimum.quanto import qfloat8
     from optimum.quanto.nn import QLinear
 
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, QLinear) and getattr(mod, "weight_qtype", None) == qfloat8:
-            if hasattr(mod, "_fp8_compute"):
-                mod._fp8_fallback = types.MethodType(dequantizing_forward, mod)
-                # Its autograd function saves the subclass's inner tensors for backward, which dynamo
-                # cannot compile (they alias a subclass input): the layer runs eagerly, between graphs.
-                mod.forward = torch.compiler.disable(mod.forward)
-            else:
-                mod.forward = types.MethodType(dequantizing_forward, mod)
-            n += 1
-    return n
+    return [m for m in module.modules() if isinstance(m, QLinear) and getattr(m, "weight_qtype", None) == qfloat8]
 
 
-def eager_dora(model: nn.Module) -> int:
-    """DoRA layers on fp8 weights run eagerly, between graphs: peft's DoRA takes the norm of the
-    dequantized base weight through quanto's subclass, which dynamo cannot compile. Returns the
-    layers left out."""
-    from optimum.quanto.nn import QModuleMixin
+def prepare_fp8(blocks: list[nn.Module]) -> tuple[int, int]:
+    """The fp8 layers inside the compiled ``blocks``, made traceable: each gets
+    :func:`dequantizing_forward`, except those dynamo cannot compile, which run eagerly between
+    graphs (``torch.compiler.disable``) with their forward unchanged:
+
+    * fp8 compute's layers: their autograd function saves the subclass's inner tensors for
+      backward, aliases of a subclass input that dynamo cannot compile;
+    * the base layers of DoRA adapters: peft's DoRA takes the norm of the dequantized weight
+      through quanto's subclass (the whole DoRA layer runs eagerly).
+
+    Returns (layers in the graphs, layers run eagerly); each layer is counted once."""
     from peft.tuners.lora import LoraLayer
 
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, LoraLayer) and any(mod.use_dora.values()) and isinstance(mod.get_base_layer(), QModuleMixin):
-            mod.forward = torch.compiler.disable(mod.forward)
-            n += 1
-    return n
+    eager: set[int] = set()
+    for block in blocks:
+        for mod in block.modules():
+            if isinstance(mod, LoraLayer) and any(mod.use_dora.values()) and _fp8_layers(mod.get_base_layer()):
+                mod.forward = torch.compiler.disable(mod.forward)
+                eager.update(id(m) for m in _fp8_layers(mod.get_base_layer()))
+    in_graph = 0
+    for block in blocks:
+        for mod in _fp8_layers(block):
+            if hasattr(mod, "_fp8_compute"):
+                mod.forward = torch.compiler.disable(mod.forward)
+                eager.add(id(mod))
+            elif id(mod) not in eager:
+                mod.forward = types.MethodType(dequantizing_forward, mod)
+                in_graph += 1
+    return in_graph, len(eager)
+
+
+RECOMPILE_LIMIT = 64  # graphs dynamo keeps per code object before it runs the code eagerly
+
+
+def _allow_recompiles() -> None:
+    """SDXL's blocks of one class differ in width (320 to 1280 channels) and in whether a ResNet
+    block has a shortcut: each variant is a graph of its own, and dynamo's default limit (8 per code
+    object) would leave the rest eager, silently. Raised to RECOMPILE_LIMIT."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # (the newer name, then the older)
+        try:
+            current = getattr(dynamo_config, name)
+        except AttributeError:
+            continue
+        setattr(dynamo_config, name, max(current, RECOMPILE_LIMIT))
+        return
 
 
 def toolchain_problem(device: torch.device) -> str | None:
@@ -111,21 +132,24 @@ def toolchain_problem(device: torch.device) -> str | None:
     return None
 
 
-def install(model: nn.Module, family: Any, mode: str, device: torch.device,
-            out: Callable[[str], None]) -> dict[str, Any]:
-    """Compile the forward of each block ``family.compile_blocks`` names (see the module docstring);
-    returns the facts for the run record. Refuses, before any compilation, a machine that cannot
-    compile."""
+def require_toolchain(device: torch.device) -> None:
+    """Refuse, with what to install, a machine where inductor cannot compile for ``device``."""
     from ..errors import ImgloraError
 
     problem = toolchain_problem(device)
     if problem:
         raise ImgloraError(f"memory.compile = \"blocks\": {problem}; or set memory.compile = \"none\"")
+
+
+def install(model: nn.Module, family: Any, mode: str, device: torch.device,
+            out: Callable[[str], None]) -> dict[str, Any]:
+    """Compile the forward of each block ``family.compile_blocks`` names (see the module docstring);
+    returns the facts for the run record. Refuses, before any compilation, a machine that cannot
+    compile."""
+    require_toolchain(device)
     blocks = blocks_to_compile(model, family)
-    quanto = _has_quanto(model)
-    fp8_layers = traceable_fp8(model) if quanto else 0
-    eager = eager_dora(model) if quanto else 0
-    eager += sum(1 for m in model.modules() if hasattr(m, "_fp8_fallback"))
+    in_graph, eager = prepare_fp8(blocks) if _has_quanto(model) else (0, 0)
+    _allow_recompiles()
     options: dict[str, Any] = {} if mode == "default" else {"mode": mode}
     for block in blocks:
         block.forward = torch.compile(block.forward, **options)
@@ -133,20 +157,20 @@ def install(model: nn.Module, family: Any, mode: str, device: torch.device,
     for block in blocks:
         kinds[type(block).__name__] = kinds.get(type(block).__name__, 0) + 1
     out(f"compiled blocks: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} (torch.compile, mode "
-        f"{mode}, one graph per kind); the first update compiles them"
-        + (f"; {fp8_layers - eager} fp8 layers dequantize in the graph" if fp8_layers - eager > 0 else "")
-        + (f"; {eager} layers run eagerly between graphs (fp8 compute, DoRA on fp8)" if eager else ""))
-    return {"blocks": len(blocks), "kinds": kinds, "mode": mode, "fp8_layers_in_graph": fp8_layers - eager,
+        f"{mode}; blocks of one kind and shape share a graph); the first update compiles them"
+        + (f"; {in_graph} fp8 layers dequantize in the graphs" if in_graph else "")
+        + (f"; {eager} fp8 layers run eagerly between graphs (fp8 compute, DoRA on fp8)" if eager else ""))
+    return {"blocks": len(blocks), "kinds": kinds, "mode": mode, "fp8_layers_in_graph": in_graph,
             "eager_layers": eager}
 
 
 def graphs() -> dict[str, int]:
-    """dynamo's counts so far in this process: graphs compiled, and recompilations (a new bucket
-    shape, a guard that failed): for the run record."""
+    """dynamo's counts so far in this process, for the run record: the graphs compiled (each kind
+    and shape of block, forward; a new bucket shape adds one) and the frames it compiled."""
     from torch._dynamo.utils import counters
 
     return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-            "recompiles": int(sum(counters["recompiles"].values()))}
+            "frames_compiled": int(counters["frames"].get("ok", 0))}
 
 
 def _has_quanto(model: nn.Module) -> bool:

@@ -98,8 +98,7 @@ def _forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
     if data is None or data.dtype != torch.float8_e4m3fn or not _fits(rows, data.shape[1], data.shape[0]):
         self._fp8_compute.fallback_calls += 1
-        fallback = getattr(self, "_fp8_fallback", None)  # memory.compile: a forward dynamo can trace
-        return fallback(input) if fallback is not None else type(self).forward(self, input)
+        return type(self).forward(self, input)
     self._fp8_compute.fp8_calls += 1
     device_type = input.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
