@@ -137,7 +137,8 @@ def test_a_missing_package_is_one_error_naming_the_pip_install(small_run, monkey
 
 
 @pytest.mark.parametrize("name,args", [
-    ("prodigy", "{d_coef = 1.5, safeguard_warmup = true, use_bias_correction = true}"),
+    pytest.param("prodigy", "{d_coef = 1.5, safeguard_warmup = true, use_bias_correction = true}",
+                 marks=pytest.mark.slow),  # (the default run stays under 6 minutes; CI runs it)
     ("schedulefree_adamw", "{warmup_steps = 1}")])
 def test_run_resumes_bit_for_bit(small_run, name, args) -> None:
     """With validation every update (schedule-free switches to its eval mode and back for it)."""

@@ -53,6 +53,7 @@ def wandb_history(run_file: Path) -> list[dict[str, object]]:
     return rows
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes; CI runs it)
 def test_tensorboard_and_wandb_hold_training_and_evaluation(small_run) -> None:
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")

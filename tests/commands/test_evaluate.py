@@ -103,6 +103,7 @@ def base_pipeline_images(family_name: str, prompts: list[str], seed: int, **kwar
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes; CI runs it)
 def test_eval_after_runs_in_its_own_process_with_its_own_record(sdxl_run) -> None:
     cfg, result = sdxl_run
     assert result.eval_exit_code == 0

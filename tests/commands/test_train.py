@@ -95,6 +95,7 @@ def test_run_writes_adapter_log_png_and_record(small) -> None:
     assert rec["lora"]["rank"] == 8 and rec["lora"]["alpha"] == 8.0
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes; CI runs it)
 def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
     from diffusers import StableDiffusionXLPipeline
 
