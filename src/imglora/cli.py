@@ -215,28 +215,32 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
                      timeout=timeout, out=stamped(click.echo), gpus=gpus)
 
 
-@main.command("plan", short_help="Predict peak GPU memory and host RAM per setting, term by term.")
+@main.command("plan", short_help="Predict peak GPU memory, host RAM and seconds per update per setting.")
 @click.argument("preset", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--blocks", help="Settings to plan, as bench-swap takes them (e.g. fp8:0,fp8:18,bf16:0); default: the "
                                "preset's own, fp8 with 0/9/18/27 swapped blocks, and the model dtype unswapped.")
 @click.option("--resolution", type=click.IntRange(min=16), help="Square training resolution (default: the preset's).")
+@click.option("--gpu", help="The card to predict seconds per update for, and to fit in (unless --vram): h200, h100, "
+                            "h100-pcie, a100, l40s, 3090, 4090, 5090. Default: h200.")
 @click.option("--vram", type=SIZE, help="GPU memory to fit in, e.g. 24GB: names the fastest setting that fits.")
 @click.option("--host-ram", type=SIZE, help="Host RAM to fit in, e.g. 32GB.")
 @click.option("--bench", "bench_file", type=click.Path(dir_okay=False),
-              help="A bench-swap result (bench.json): rank settings by their measured seconds per update.")
+              help="A bench-swap result (bench.json): its measured seconds per update replace the predicted ones.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="The machine the run is for: cuda (bf16 autocast) or cpu (fp32).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the plan as JSON here.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="Data-parallel processes: device memory is per GPU; host RAM counts every process's pinned blocks.")
-def plan_cmd(preset, overrides, blocks, resolution, vram, host_ram, bench_file, device, json_out, gpus):
-    """Predict, before anything is loaded, the peak GPU memory and host RAM of training PRESET for
-    each swap count and precision, term by term, from the architecture built on the meta device."""
+def plan_cmd(preset, overrides, blocks, resolution, gpu, vram, host_ram, bench_file, device, json_out, gpus):
+    """Predict, before anything is loaded, the peak GPU memory, host RAM and seconds per update of
+    training PRESET for each swap count and precision, term by term, from the architecture built on
+    the meta device (seconds: its kernels priced on the card's datasheet peaks, or on this CPU as
+    measured with --device cpu)."""
     from .commands import plan
 
     plan.run(preset, overrides, blocks=blocks, resolution=resolution, vram=vram, host_ram=host_ram,
-             bench_file=bench_file, device=device, json_out=json_out, out=click.echo, gpus=gpus)
+             bench_file=bench_file, device=device, json_out=json_out, out=click.echo, gpus=gpus, gpu=gpu)
 
 
 class _Number(click.ParamType):

@@ -66,6 +66,8 @@ class SettingPlan:
     host_peak: int
     peak_phase: str  # "backward" or "optimizer step": where the device peak falls
     measured_seconds: float | None = None  # from a bench.json, when given
+    predicted: Any = None  # plan_time.Estimate: seconds per update on the plan's device
+    time_note: str = ""  # why there is no prediction
 
     def term(self, key: str) -> int:
         return sum(t.bytes for t in self.terms if t.key == key)
@@ -82,7 +84,9 @@ class SettingPlan:
                 "terms": {t.key: t.bytes for t in self.terms},
                 "term_labels": {t.key: t.label for t in self.terms},
                 "term_where": {t.key: t.where for t in self.terms},
-                "measured_seconds_per_update": self.measured_seconds}
+                "measured_seconds_per_update": self.measured_seconds,
+                "predicted_seconds_per_update": self.predicted.seconds if self.predicted else None,
+                "predicted_parts": self.predicted.parts if self.predicted else None, "time_note": self.time_note or None}
 
 
 def needed_vram(device_peak: int) -> int:
@@ -99,9 +103,11 @@ class Plan:
     settings: list[SettingPlan]
     notes: list[str] = field(default_factory=list)
     fastest_fit: str | None = None
+    time_device: Any = None  # plan_time.Device the seconds are predicted for
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "device": self.device_kind, "resolution": self.resolution,
+                "time_device": self.time_device.name if self.time_device else None,
                 "settings": [s.to_dict() for s in self.settings], "fastest_fit": self.fastest_fit,
                 "notes": self.notes, "cuda_context_bytes": CUDA_CONTEXT, "allocator_margin": ALLOCATOR_MARGIN}
 
@@ -123,6 +129,7 @@ class Profile:
     model: torch.nn.Module  # the meta model with LoRA (for the weight terms)
     dtype: torch.dtype
     text_encoders: int = 0  # frozen bytes of the text encoders trained with the adapter (lora.text_encoder)
+    tally: Any = None  # the step's kernels (memory.op_count.OpTally), for the time prediction
 
 
 def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
@@ -142,7 +149,12 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
     model.train()
     batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("meta"))
     batch_bytes = held_bytes(list(batch.values()))
-    with Autocast(autocast) as ac, LiveBytes() as meter:
+    from .family import Swappable, supports
+    from .memory.op_count import OpCounter
+
+    containers = list(family.swappable_blocks) if supports(family, Swappable) else []
+    counter = OpCounter(model, containers, recompute_tags=cfg.memory.gradient_checkpointing)
+    with Autocast(autocast) as ac, LiveBytes() as meter, counter:
         loss = trainable.loss(batch, torch.Generator().manual_seed(0))
         ac.end_forward()
         meter.mark("forward")
@@ -158,7 +170,7 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
             p.grad = None
     return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
                    lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs),
-                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()))
+                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()), tally=counter.tally)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,8 +233,10 @@ def optimizer_bytes(cfg: "Config", params: list[tuple[str, int, tuple[int, ...]]
 def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_kind: str,
             src: "ModelSource | None", resolution: int | None = None, vram: int | None = None,
             host_ram: int | None = None, bench: dict[str, Any] | None = None,
-            process_rss: int = 0, profiles: dict[Any, Profile] | None = None, processes: int = 1) -> Plan:
-    """The plan for each of ``settings`` on a ``device_kind`` ("cuda" or "cpu") machine."""
+            process_rss: int = 0, profiles: dict[Any, Profile] | None = None, processes: int = 1,
+            time_device: Any = None) -> Plan:
+    """The plan for each of ``settings`` on a ``device_kind`` ("cuda" or "cpu") machine; seconds per
+    update predicted on ``time_device`` (a ``plan_time.Device``) when given."""
     from . import devices
     from .family import supports
     from .memory.wrap import swap_plan
@@ -258,6 +272,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         if s.blocks and not plan_:
             raise ImgloraError(f"the {family.name} family has no swappable blocks; use 0 blocks")
         resident = swapped = 0
+        per_block: dict[str, int] = {}  # swapped block -> the bytes it brings over the link
         pools: dict[Any, list[int]] = {}
         in_blocks = 0
         for name, mask in plan_:
@@ -268,6 +283,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
                 if sw:
                     padded = frozen_bytes(blk, quantized, prefix, pad=True)
                     swapped += padded
+                    per_block[f"{name}.{i}"] = padded
                     sig = tuple((k, tuple(v.shape), v.dtype) for k, v in blk.state_dict().items())
                     pools.setdefault(sig, []).append(padded)
                 else:
@@ -350,11 +366,33 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             host_peak = processes * (process_rss + cuda_host + max(setup, swapped + offloaded_pinned))
         else:
             host_peak = device_peak + process_rss
-        plans.append(SettingPlan(s, terms, device_peak, host_peak, phase))
+        sp = SettingPlan(s, terms, device_peak, host_peak, phase)
+        if time_device is not None:
+            _predict_time(sp, prof, time_device, cfg, quantized, per_block, prof.checkpoint_inputs if offloaded else [])
+        plans.append(sp)
     _bench_times(plans, bench)
-    plan = Plan(family.name, device_kind, resolution, "", plans, notes)
+    plan = Plan(family.name, device_kind, resolution, "", plans, notes, time_device=time_device)
     plan.fastest_fit = fastest_fit(plans, vram, host_ram, device_kind)
     return plan
+
+
+def _predict_time(sp: SettingPlan, prof: Profile, dev: Any, cfg: "Config", quantized: set[str],
+                  swapped: dict[str, int], boundaries: list[int]) -> None:
+    from . import plan_time
+
+    if sp.setting.precision == "fp8c" and not dev.has_fp8:
+        sp.time_note = f"the {dev.name} has no fp8 tensor cores (compute capability 8.9 and newer)"
+        return
+    if prof.tally is None:
+        return
+    key = "optimizer_ops" if dev.asynchronous else "optimizer_ops_cpu"
+    opt = prof.__dict__.get(key)
+    if opt is None:
+        opt = plan_time.optimizer_ops(prof.lora_params, cuda=dev.asynchronous, clip=bool(cfg.train.max_grad_norm))
+        object.__setattr__(prof, key, opt)  # (the Profile is frozen; this is a cache)
+    v = plan_time.Variant(frozenset(quantized), sp.setting.precision == "fp8c", swapped, tuple(boundaries),
+                          max(1, cfg.memory.swap_prefetch))
+    sp.predicted = plan_time.estimate(prof.tally, v, dev, opt)
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -371,11 +409,13 @@ def _bench_times(plans: list[SettingPlan], bench: dict[str, Any] | None) -> None
 
 
 def speed_rank(p: SettingPlan) -> tuple:
-    """Faster first: measured seconds when known; otherwise full precision before fp8 (dequantizing
-    costs time), then fewer swapped blocks."""
+    """Faster first: measured seconds when known, then predicted seconds; without either, full
+    precision before fp8 (dequantizing costs time), then fewer swapped blocks."""
     if p.measured_seconds is not None:
         return (0, p.measured_seconds)
-    return (1, p.setting.precision in ("fp8", "fp8c"), p.setting.blocks)
+    if p.predicted is not None:
+        return (1, p.predicted.seconds)
+    return (2, p.setting.precision in ("fp8", "fp8c"), p.setting.blocks)
 
 
 def fastest_fit(plans: list[SettingPlan], vram: int | None, host_ram: int | None, device_kind: str) -> str | None:
@@ -416,6 +456,9 @@ def table(plan: Plan, vram: int | None = None, host_ram: int | None = None) -> s
             if where == "host":
                 lines.append(f"| {label} | " + " | ".join(fmt(p.term(key)) for p in plan.settings) + " |")
         lines.append("| **peak host RAM** | " + " | ".join(f"**{fmt(p.host_peak)}**" for p in plan.settings) + " |")
+    if plan.time_device is not None:
+        lines.append(f"| predicted s/update ({plan.time_device.name}) | " + " | ".join(
+            f"{p.predicted.seconds:.3f}" if p.predicted else "-" for p in plan.settings) + " |")
     if any(p.measured_seconds is not None for p in plan.settings):
         lines.append("| measured s/update (bench.json) | " + " | ".join(
             f"{p.measured_seconds:.3f}" if p.measured_seconds is not None else "-" for p in plan.settings) + " |")

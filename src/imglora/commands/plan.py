@@ -29,17 +29,20 @@ def source_or_shipped(cfg: "Config", family: Any) -> tuple["ModelSource | None",
                       f"imglora ships for the {family.name} family")
 
 
-def default_settings(cfg: "Config", family: Any, src: "ModelSource | None") -> list[plan.Setting]:
-    """The preset's own setting, then fp8 with the usual swap counts, then the model dtype unswapped."""
+def default_settings(cfg: "Config", family: Any, src: "ModelSource | None", fp8_cores: bool = False) -> list[plan.Setting]:
+    """The preset's own setting, then fp8 with the usual swap counts, fp8 compute at the preset's
+    swap count (on a card with fp8 tensor cores), then the model dtype unswapped."""
     from ..family import Swappable, supports
 
-    own = plan.Setting("fp8" if cfg.memory.fp8 else "model", cfg.memory.blocks_to_swap)
+    own = plan.Setting(("fp8c" if cfg.memory.fp8_compute else "fp8") if cfg.memory.fp8 else "model",
+                       cfg.memory.blocks_to_swap)
     out = [own]
     swaps: tuple[int, ...] = (0,)
     if supports(family, Swappable):
         trainable_lengths = _block_lengths(family, src, cfg)
         swaps = tuple(n for n in SWEEP if plan_budget.valid_swap(family, trainable_lengths, cfg, n))
-    for s in [plan.Setting("fp8", n) for n in swaps] + [plan.Setting("model", 0)]:
+    extra = [plan.Setting("fp8c", own.blocks)] if fp8_cores and own.blocks in swaps else []
+    for s in [plan.Setting("fp8", n) for n in swaps] + extra + [plan.Setting("model", 0)]:
         if s not in out:
             out.append(s)
     return out
@@ -62,8 +65,10 @@ def parse_settings(text: str) -> list[plan.Setting]:
 
 def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resolution: int | None, vram: str | None,
         host_ram: str | None, bench_file: str | None, device: str, json_out: str | None,
-        out: Callable[[str], None] = print, gpus: int = 1) -> plan.Plan:
+        out: Callable[[str], None] = print, gpus: int = 1, gpu: str | None = None) -> plan.Plan:
     import psutil
+
+    from .. import plan_time
 
     from .bench import parse_size
     from .common import family_of, load_config
@@ -71,7 +76,15 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
     cfg = load_config(preset, overrides)
     family = family_of(cfg)
     src, note = source_or_shipped(cfg, family)
-    settings = parse_settings(blocks) if blocks else default_settings(cfg, family, src)
+    if device == "cuda":
+        card = plan_time.gpu(gpu or "h200")
+        if vram is None and gpu:
+            vram = f"{card.vram_gib}GiB"
+    elif gpu:
+        raise ImgloraError("--gpu is for a CUDA plan; with --device cpu the seconds are this CPU's, as measured")
+    else:
+        card = plan_time.calibrate_cpu()
+    settings = parse_settings(blocks) if blocks else default_settings(cfg, family, src, card.has_fp8)
     bench = None
     if bench_file:
         try:
@@ -80,7 +93,8 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
             raise ImgloraError(f"--bench {bench_file}: cannot read it as a bench-swap result ({exc})") from None
     vram_b, host_b = parse_size(vram, "--vram"), parse_size(host_ram, "--host-ram")
     p = plan.predict(cfg, family, settings, device_kind=device, src=src, resolution=resolution, vram=vram_b,
-                     host_ram=host_b, bench=bench, process_rss=psutil.Process().memory_info().rss, processes=gpus)
+                     host_ram=host_b, bench=bench, process_rss=psutil.Process().memory_info().rss, processes=gpus,
+                     time_device=card)
     if note:
         p.notes.append(note)
     p.notes.append("allocated tensor bytes, predicted from the architecture on the meta device and one "
@@ -93,6 +107,15 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
         p.notes.append(f"lora.text_encoder: {' and '.join(family.text_encoder_parts)} train with the adapter, so their "
                        f"outputs can no longer be cached: they stay loaded and run in every update{kept}; their "
                        "weights (text_encoders), adapter, optimizer state and activations are counted above")
+    p.notes.append(time_note(card, bool(bench)))
+    if bench:
+        compiled = [f"{r['setting']} {r['sec_per_update']['median']:.3f}" for r in bench.get("results", [])
+                    if r.get("status") == "ok" and "+compile" in str(r.get("setting"))]
+        if compiled:
+            p.notes.append(f"measured with compiled blocks (memory.compile = \"blocks\"), s/update: {', '.join(compiled)}")
+    for sp in p.settings:
+        if sp.time_note:
+            p.notes.append(f"{sp.setting.name}: no time predicted: {sp.time_note}")
     if device == "cuda":
         p.notes.append("a card needs the peak x 1.05 (allocator rounding) + about 0.5 GiB (CUDA context); "
                        "host RAM counts this process as measured now, plus CUDA's libraries as estimated (2.5 GiB a "
@@ -101,7 +124,7 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
     b = cfg.train.batch_size
     out(f"{family.name} at {p.resolution}x{p.resolution}, batch {b}, {cfg.lora.type} rank {cfg.lora.rank}, "
         f"{cfg.train.optimizer}, gradient checkpointing {'on' if cfg.memory.gradient_checkpointing else 'off'}, "
-        f"for a {device.upper()} machine" + (f" with {gpus} GPUs (data parallel; per GPU, host RAM for all):"
+        f"for {'a CUDA machine (' + card.label + ')' if device == 'cuda' else 'this CPU'}" + (f" with {gpus} GPUs (data parallel; per GPU, host RAM for all):"
                                              if gpus > 1 else ":"))
     out("")
     out(plan.table(p, vram_b, host_b))
@@ -111,8 +134,24 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
     if vram_b or host_b:
         budget = " and ".join(x for x in (vram and f"{vram} of GPU memory", host_ram and f"{host_ram} of host RAM") if x)
         out(f"fastest setting that fits {budget}: {p.fastest_fit or 'none of these'}"
-            + (" (by measured s/update)" if bench else " (full precision before fp8, then fewer swapped blocks)"))
+            + (" (by measured s/update where measured, else predicted)" if bench else " (by predicted s/update)"))
     if json_out:
         atomic.write_json(Path(json_out), p.to_dict())
         out(f"written: {json_out}")
     return p
+
+
+def time_note(card: Any, bench: bool) -> str:
+    """How the seconds per update were predicted, in a line."""
+    if card.measured:
+        rates = ", ".join(f"{k} products {v * 1e3:.0f} GFLOPS" for k, v in card.tflops.items())
+        return (f"predicted s/update: the step's kernels (from the meta run) priced on this CPU as measured now: "
+                f"{rates}, copies {card.memory_gbs:.1f} GB/s, {card.host_op_s[0] * 1e6:.1f} us per op; "
+                "checked against measured steps in docs/benchmarks.md")
+    peaks = ", ".join(f"{k} {v:g}" for k, v in card.tflops.items())
+    return (f"predicted s/update on the {card.label}: the step's kernels (from the meta run) priced on datasheet "
+            f"peaks (dense TFLOPS {peaks}; {card.memory_gbs:g} GB/s memory; {card.link_gbs:g} GB/s PCIe) at assumed "
+            f"efficiencies (products {card.matmul_eff:.0%}, attention {card.attention_eff[0]:.0%}/"
+            f"{card.attention_eff[1]:.0%} forward/backward, memory {card.memory_eff:.0%}, PCIe {card.link_eff:.0%}); "
+            "a prediction, not a measurement" + ("" if bench else ": `imglora bench-swap` measures, and `--bench` "
+                                                 "puts its figures in their place"))

@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+# Imported here, never first while ``Autocast`` has torch's checkpoint replaced: offload.py binds
+# torch.utils.checkpoint.checkpoint when it is imported, and must bind the real one.
+from .offload import MIN_BYTES
+
 
 class _Flash(torch.autograd.Function):
     @staticmethod
@@ -93,8 +97,6 @@ class Autocast(TorchFunctionMode):
 
         def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
             if torch._C._len_torch_function_stack() > 0:  # a forward call: note what it keeps
-                from .offload import MIN_BYTES
-
                 large = [a.numel() * a.element_size() for a in args
                          if isinstance(a, torch.Tensor) and a.numel() * a.element_size() >= MIN_BYTES]
                 mode.checkpoint_inputs.append(sum(large))
@@ -143,8 +145,10 @@ class Autocast(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _ORIGINAL_SDPA:
-            if self.dtype is not None:
+            if self.dtype is not None:  # (diffusers passes query, key and value by name)
                 args = tuple(self._cast(a, self.dtype) for a in args)
+                kwargs = {k: self._cast(v, self.dtype) if k in ("query", "key", "value") else v
+                          for k, v in kwargs.items()}
             return flash_attention(*args, **kwargs)
         if self.dtype is not None:
             if func in _LOW:
