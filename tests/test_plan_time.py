@@ -97,6 +97,7 @@ def test_the_gpu_table_names_its_cards_and_only_ada_hopper_blackwell_have_fp8() 
         plan_time.gpu("v100")
 
 
+@pytest.mark.slow
 def test_plan_shows_seconds_per_update_for_a_card_and_fits_in_its_memory(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(main, ["plan", str(REPO / "presets" / "tiny-flux.toml"), "--gpu", "4090",
