@@ -13,6 +13,7 @@ the measured CUDA peak.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -133,7 +134,8 @@ class Profile:
 
 
 def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
-            autocast: torch.dtype | None, resolution: int) -> Profile:
+            autocast: torch.dtype | None, resolution: int, count_ops: bool = True) -> Profile:
+    """The meta run; ``count_ops`` also records its kernels (for the time prediction)."""
     trainable = family.meta_trainable(src, cfg, dtype)
     model = trainable.model
     lora.inject(model, family, cfg.lora, cfg.train.seed)
@@ -153,8 +155,8 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
     from .memory.op_count import OpCounter
 
     containers = list(family.swappable_blocks) if supports(family, Swappable) else []
-    counter = OpCounter(model, containers, recompute_tags=cfg.memory.gradient_checkpointing)
-    with Autocast(autocast) as ac, LiveBytes() as meter, counter:
+    counter = OpCounter(model, containers, recompute_tags=cfg.memory.gradient_checkpointing) if count_ops else None
+    with Autocast(autocast) as ac, LiveBytes() as meter, counter or contextlib.nullcontext():
         loss = trainable.loss(batch, torch.Generator().manual_seed(0))
         ac.end_forward()
         meter.mark("forward")
@@ -170,7 +172,7 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
             p.grad = None
     return Profile(saved=meter.marks["forward"], peak=meter.peak, grads=grads, batch=batch_bytes,
                    lora_params=params, model=model, dtype=dtype, checkpoint_inputs=list(ac.checkpoint_inputs),
-                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()), tally=counter.tally)
+                   text_encoders=sum(frozen_bytes(e, set()) for e in encoders.values()), tally=counter.tally if counter else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,9 +263,9 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             dtype = devices.DTYPES[s.precision]
         autocast = (torch.float16 if mp == "fp16" else torch.bfloat16) if autocast_on else None
         key = (dtype, autocast, resolution, repr(cfg.lora), cfg.train.batch_size, cfg.cache.text_max_length,
-               cfg.memory.gradient_checkpointing, repr(cfg.family))
+               cfg.memory.gradient_checkpointing, repr(cfg.family), time_device is not None)
         if key not in profiles:
-            profiles[key] = profile(family, src, cfg, dtype, autocast, resolution)
+            profiles[key] = profile(family, src, cfg, dtype, autocast, resolution, count_ops=time_device is not None)
         prof = profiles[key]
         model = prof.model
         quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in ("fp8", "fp8c") else set()

@@ -108,7 +108,7 @@ def gpu(name: str) -> Device:
 _CPU: Device | None = None
 
 
-def calibrate_cpu(threads: int | None = None) -> Device:
+def calibrate_cpu() -> Device:
     """This machine's CPU as a :class:`Device`: product rates (fp32, bf16; and the traffic of a
     product with few rows, which streams its weight), attention's rate (the CPU flash kernel), copy
     bandwidth, the speed of a cast from fp8, and the time of one eager op beyond its work (forward and
@@ -171,6 +171,18 @@ class _Block(torch.nn.Module):
         return x + self.down(self.act(self.up(self.norm2(x))))
 
 
+def _timed_step(module: torch.nn.Module, forward: Any, best: Any) -> tuple[float, float, int, int]:
+    """(forward seconds, forward + backward seconds, forward ops, backward ops) of ``forward()``
+    (a scalar) and its backward, each the best of 20 runs; the ops counted once."""
+    def step() -> None:
+        forward().backward()
+
+    with OpCounter(module, [], recompute_tags=False) as c:
+        step()
+    n_fwd = sum(1 for o in c.tally.ops if o.phase == FORWARD)
+    return best(forward, 20), best(step, 20), n_fwd, len(c.tally.ops) - n_fwd
+
+
 def _eager_op_seconds(best: Any) -> tuple[float, float]:
     """Seconds of one op of eager PyTorch beyond its work, forward (module calls, autograd
     recording) and backward (the autograd engine), on a stack of tiny transformer blocks under
@@ -189,15 +201,7 @@ def _eager_op_seconds(best: Any) -> tuple[float, float]:
             h = checkpoint(blk, h, use_reentrant=False)
         return h.sum()
 
-    def step() -> None:
-        forward().backward()
-
-    with OpCounter(net, [], recompute_tags=False) as c:
-        step()
-    n_fwd = sum(1 for o in c.tally.ops if o.phase == FORWARD)
-    n_bwd = len(c.tally.ops) - n_fwd
-    fwd = best(forward, 20)
-    both = best(step, 20)
+    fwd, both, n_fwd, n_bwd = _timed_step(net, forward, best)
     return fwd / n_fwd, max(both - fwd, 0.0) / max(n_bwd, 1)
 
 
@@ -216,15 +220,7 @@ def _quanto_call_seconds(best: Any, per_op: tuple[float, float]) -> tuple[float,
     def forward() -> torch.Tensor:
         return layers(x).sum()
 
-    def step() -> None:
-        forward().backward()
-
-    with OpCounter(layers, [], recompute_tags=False) as c:
-        step()
-    n_fwd = sum(1 for o in c.tally.ops if o.phase == FORWARD)
-    n_bwd = len(c.tally.ops) - n_fwd
-    fwd = best(forward, 20)
-    both = best(step, 20)
+    fwd, both, n_fwd, n_bwd = _timed_step(layers, forward, best)
     return (max(0.0, fwd - n_fwd * per_op[0]) / 16, max(0.0, both - fwd - n_bwd * per_op[1]) / 16)
 
 
