@@ -34,8 +34,9 @@
 # runs pip (no wheel install); GPU_CHECK_WHEELS (default .whl); GPU_CHECK_STEPS (default "bench
 # pytest probe plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
 # dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds);
-# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0; fp8c:N is fp8 compute, a
-# +compile suffix compiled blocks: fp8c+compile:18; its first update counts the compilation).
+# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0; fp8f:N is the fused dequantizing
+# path, fp8c:N fp8 compute, a +compile suffix compiled blocks: fp8c+compile:18; its first update
+# counts the compilation).
 
 set -u
 
@@ -282,7 +283,7 @@ else
     SIZE_ARGS=(--resolution 1024)
     SUMMARY_ARGS=(--swapped "$SWAPPED")
 fi
-# GPU_CHECK_BLOCKS replaces the settings (e.g. fp8:18,fp8:0,fp8c:18 adds fp8 compute; keep the
+# GPU_CHECK_BLOCKS replaces the settings (e.g. fp8:18,fp8:0,fp8f:18,fp8c:18 adds the fused path and fp8 compute; keep the
 # swapped setting first): each gets an equal share of the bench step's time.
 BLOCKS=${GPU_CHECK_BLOCKS:-$BLOCKS}
 n_settings=$(( $(printf '%s' "$BLOCKS" | tr -cd ',' | wc -c) + 1 ))

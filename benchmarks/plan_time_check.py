@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 # name: (preset, real-width changes or None for the tiny model, resolution, text length, settings)
 CASES = {
-    "tiny-flux": ("tiny-flux", None, 128, 0, [("model", 0), ("fp8", 0), ("fp8", 4)]),
+    "tiny-flux": ("tiny-flux", None, 128, 0, [("model", 0), ("fp8", 0), ("fp8f", 0), ("fp8", 4)]),
     "tiny-sdxl": ("tiny-sdxl", None, 128, 0, [("model", 0), ("fp8", 0)]),
     "flux-1+1": ("tiny-flux", {"num_layers": 1, "num_single_layers": 2, "guidance_embeds": True}, 64, 16,
-                 [("model", 0), ("fp8", 0), ("fp8", 2)]),
+                 [("model", 0), ("fp8", 0), ("fp8f", 0), ("fp8", 2)]),
     "flux-1+1@256": ("tiny-flux", {"num_layers": 1, "num_single_layers": 2, "guidance_embeds": True}, 256, 64,
                      [("model", 0)]),
     "sdxl-111": ("tiny-sdxl", {"transformer_layers_per_block": [1, 1, 1]}, 128, 0, [("model", 0), ("fp8", 0)]),
@@ -111,7 +111,8 @@ def main() -> None:
                 part = "transformer" if base.model.family == "flux" else "unet"
                 src = ModelSource(config_dir(base.model.family, part, changes, Path(tmp) / name))
             for precision, blocks in settings:
-                cfg = base.replace(memory={"fp8": precision == "fp8", "blocks_to_swap": blocks})
+                cfg = base.replace(memory={"fp8": precision.startswith("fp8"), "fp8_fused": precision == "fp8f",
+                                           "blocks_to_swap": blocks})
                 r = measure(cfg, family, src, precision, blocks, resolution, args.warmup, args.updates,
                             changes is not None)
                 r["case"] = name

@@ -153,11 +153,12 @@ def test_offloading_checkpoints_without_gradient_checkpointing_is_an_error() -> 
     assert load_config(SDXL, ["memory.offload_checkpoints=true"]).memory.offload_checkpoints
 
 
-def test_fp8_compute_without_fp8_weights_is_an_error() -> None:
-    got = problems(SDXL, ["memory.fp8_compute=true"])
-    assert got == ["--set memory.fp8_compute: runs the matmuls of fp8-stored weights, and memory.fp8 = false "
-                   "stores none; set memory.fp8 = true, or memory.fp8_compute = false"]
-    assert load_config(SDXL, ["memory.fp8_compute=true", "memory.fp8=true"]).memory.fp8_compute
+@pytest.mark.parametrize("key", ["fp8_compute", "fp8_fused"])
+def test_fp8_compute_or_fused_without_fp8_weights_is_an_error(key) -> None:
+    got = problems(SDXL, [f"memory.{key}=true"])
+    assert got == [f"--set memory.{key}: runs the matmuls of fp8-stored weights, and memory.fp8 = false "
+                   f"stores none; set memory.fp8 = true, or memory.{key} = false"]
+    assert getattr(load_config(SDXL, [f"memory.{key}=true", "memory.fp8=true"]).memory, key)
 
 
 def test_a_budget_the_run_ends_before_checking_is_an_error() -> None:

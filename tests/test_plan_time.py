@@ -72,9 +72,24 @@ def test_fp8_storage_adds_the_dequantize_and_fp8_compute_runs_the_products_on_fp
     assert [o.flops for o in fp8_products] == [2 * 128 * 32 * 64] * 2
     assert plan_time.estimate(tally, plan_time.Variant(quantized=frozenset({"l"})), DEV).seconds > \
         plan_time.estimate(tally, plan_time.Variant(), DEV).seconds
-    # 8 rows: not a multiple of 16, so the kernel cannot take it and the dequantizing path runs (as in training)
+    # 8 rows: not a multiple of 16, so the kernel cannot take it and the fused dequantizing path runs (as in training)
     odd = plan_time.kernels(_tally(rows=8), plan_time.Variant(quantized=frozenset({"l"}), fp8_compute=True), True)
+    assert odd == plan_time.kernels(_tally(rows=8), plan_time.Variant(quantized=frozenset({"l"}), fused=True), True)
     assert not any(o.fp8 for o in odd)
+
+
+@pytest.mark.parametrize("rows", [128, 16])  # the scales on the weight (rows > in), on the output (rows < in)
+def test_the_fused_path_casts_each_weight_once_per_use_and_fuses_scales_and_bias(rows) -> None:
+    tally = _tally(rows=rows)
+    fused = plan_time.kernels(tally, plan_time.Variant(quantized=frozenset({"l"}), fused=True), cuda=True)
+    deq = plan_time.kernels(tally, plan_time.Variant(quantized=frozenset({"l"})), cuda=True)
+    weight_passes = [o for o in fused if not o.flops and o.from_fp8]
+    assert [o.bytes for o in weight_passes] == [3 * 2048] * 2  # one fp8 -> bf16 cast per use (fwd, dgrad)
+    assert sum(o.bytes for o in fused) < sum(o.bytes for o in deq)
+    assert len([o for o in fused if not o.flops]) < len([o for o in deq if not o.flops])
+    v = dict(quantized=frozenset({"l"}))
+    assert plan_time.estimate(tally, plan_time.Variant(**v, fused=True), DEV).seconds < \
+        plan_time.estimate(tally, plan_time.Variant(**v), DEV).seconds
 
 
 def test_swapped_blocks_add_only_the_copies_compute_cannot_hide() -> None:

@@ -120,6 +120,10 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
     if accelerator.mixed_precision in ("bf16", "fp16"):  # every forward of a session runs under autocast
         for module in (trainable.model, *encoders.values()):
             lora.keep_input_dtype(module)
+        if cfg.memory.norms_in_model_dtype:
+            from .memory import norms
+
+            memory.facts["norms_in_model_dtype"] = norms.install(trainable.model)
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
     groups: list[Any] = params

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import lora
+from .commands.bench_agreement import FP8_SETTINGS
 from .errors import ImgloraError
 from .memory.fp8 import would_quantize
 from .memory.meta_run import Autocast
@@ -148,6 +149,10 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
     if autocast is not None:
         for module in (model, *encoders.values()):
             lora.keep_input_dtype(module)  # as loop.build_session under autocast
+        if cfg.memory.norms_in_model_dtype:
+            from .memory import norms
+
+            norms.install(model)
     model.train()
     batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("meta"))
     batch_bytes = held_bytes(list(batch.values()))
@@ -257,18 +262,19 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
     profiles = {} if profiles is None else profiles  # meta runs, reusable across calls with the same key
     notes: list[str] = []
     for s in settings:
-        if s.precision in ("fp8", "fp8c", "model"):
+        if s.precision in (*FP8_SETTINGS, "model"):
             dtype = devices.DTYPES[cfg.model.dtype] if cuda else torch.float32
         else:
             dtype = devices.DTYPES[s.precision]
         autocast = (torch.float16 if mp == "fp16" else torch.bfloat16) if autocast_on else None
         key = (dtype, autocast, resolution, repr(cfg.lora), cfg.train.batch_size, cfg.cache.text_max_length,
-               cfg.memory.gradient_checkpointing, repr(cfg.family), time_device is not None)
+               cfg.memory.gradient_checkpointing, cfg.memory.norms_in_model_dtype, repr(cfg.family),
+               time_device is not None)
         if key not in profiles:
             profiles[key] = profile(family, src, cfg, dtype, autocast, resolution, count_ops=time_device is not None)
         prof = profiles[key]
         model = prof.model
-        quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in ("fp8", "fp8c") else set()
+        quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in FP8_SETTINGS else set()
 
         plan_ = swap_plan(model, family, cfg, s.blocks)
         if s.blocks and not plan_:
@@ -304,9 +310,10 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             dequant = max(model.get_submodule(n).weight.numel() for n in quantized)
         elif quantized:
             # quanto's matmul (CPU, and CUDA for fp8 weights) makes the weight in the compute dtype,
-            # then that times its scales: two copies of the largest layer for a moment.
-            dequant = 2 * max(model.get_submodule(n).weight.numel() for n in quantized) * \
-                (torch.finfo(prof.dtype).bits // 8)
+            # then that times its scales: two copies of the largest layer for a moment; the fused
+            # path (memory.fp8_fused) makes one.
+            dequant = (1 if s.precision == "fp8f" else 2) * \
+                max(model.get_submodule(n).weight.numel() for n in quantized) * (torch.finfo(prof.dtype).bits // 8)
         act_extra = prof.peak - prof.saved
         offloaded = offloaded_pinned = 0
         if cuda and cfg.memory.offload_checkpoints and cfg.memory.gradient_checkpointing and prof.checkpoint_inputs:
@@ -332,9 +339,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
             Term("activations_saved", "activations kept for backward (checkpoint boundaries)", saved, dev),
             Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),
-            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (2 copies at once)"
-                 if s.precision != "fp8c" else "the largest fp8 weight laid out column-major for its input "
-                 "gradient (fp8 compute)", dequant, dev),
+            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (fp8: 2 copies at once, fp8f: 1), "
+                 "or laid out column-major for its input gradient (fp8c)", dequant, dev),
         ]
         if not cuda:
             terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,
@@ -393,7 +399,7 @@ def _predict_time(sp: SettingPlan, prof: Profile, dev: Any, cfg: "Config", quant
         opt = plan_time.optimizer_ops(prof.lora_params, cuda=dev.asynchronous, clip=bool(cfg.train.max_grad_norm))
         object.__setattr__(prof, key, opt)  # (the Profile is frozen; this is a cache)
     v = plan_time.Variant(frozenset(quantized), sp.setting.precision == "fp8c", swapped, tuple(boundaries),
-                          max(1, cfg.memory.swap_prefetch))
+                          max(1, cfg.memory.swap_prefetch), fused=sp.setting.precision == "fp8f")
     sp.predicted = plan_time.estimate(prof.tally, v, dev, opt)
 
 
@@ -417,7 +423,7 @@ def speed_rank(p: SettingPlan) -> tuple:
         return (0, p.measured_seconds)
     if p.predicted is not None:
         return (1, p.predicted.seconds)
-    return (2, p.setting.precision in ("fp8", "fp8c"), p.setting.blocks)
+    return (2, p.setting.precision in FP8_SETTINGS, p.setting.blocks)
 
 
 def fastest_fit(plans: list[SettingPlan], vram: int | None, host_ram: int | None, device_kind: str) -> str | None:

@@ -4,10 +4,11 @@ The kernels come from the meta-device step the memory plan already runs (``memor
 every product with its FLOPs and dtype, every memory-bound op with the bytes it moves, forward and
 backward, block by block. A setting changes them as the code does: with ``fp8`` every product with
 a quantized base weight first dequantizes it (quanto: a cast and a scale multiply, then the bf16
-product, the bias added apart), in forward, recompute and the input gradient alike; with ``fp8c``
-the same products run through ``memory.fp8_compute._ScaledMatmul`` (rows quantized per token, the
-product on fp8 tensor cores), whose own kernels are counted by running that code on the meta
-device. Each kernel takes ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency))`` and
+product, the bias added apart), in forward, recompute and the input gradient alike; with ``fp8f``
+they run through ``memory.fp8_fused.DequantMatmul`` (one cast, the product, scales and bias in one
+pass over the output), with ``fp8c`` through ``memory.fp8_compute._ScaledMatmul`` (rows quantized
+per token, the product on fp8 tensor cores; the fused path where a shape does not fit): the kernels
+of both are counted by running that code on the meta device. Each kernel takes ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency))`` and
 at least one launch; on a GPU the host's dispatching overlaps the device's work, on the CPU it adds.
 
 Swapped blocks are simulated pass by pass as the swap engine schedules them: a block's weights come
@@ -237,6 +238,7 @@ class Variant:
     swapped: dict[str, int] = field(default_factory=dict)  # block -> bytes it brings over the link per visit
     boundaries: tuple[int, ...] = ()  # offloaded checkpoint inputs, per checkpointed block (forward order)
     prefetch: int = 1
+    fused: bool = False  # memory.fp8_fused: the dequantizing matmul of memory/fp8_fused.py (fp8c's fallback too)
 
 
 def _meta_ops(fn: Any) -> list[Op]:
@@ -248,14 +250,15 @@ def _meta_ops(fn: Any) -> list[Op]:
 _PRICED: dict[tuple, list[Op]] = {}
 
 
-def _replacement(op: Op, compute_fp8: bool, cuda: bool) -> list[Op]:
+def _replacement(op: Op, compute_fp8: bool, cuda: bool, fused: bool = False) -> list[Op]:
     """The kernels a product with a quantized base weight becomes (module docstring), keyed by shape."""
     rows, inp, out = op.shape
     forward = op.role == "fwd"
     from .memory.fp8_compute import _fits
 
     fp8c = compute_fp8 and _fits(rows, inp, out)
-    key = (rows, inp, out, forward, op.bias, op.dtype, fp8c, cuda)
+    fused = fused or compute_fp8  # fp8 compute falls back to the fused path
+    key = (rows, inp, out, forward, op.bias, op.dtype, fp8c, fused and not fp8c, cuda)
     if key not in _PRICED:
         meta = torch.device("meta")
         data = torch.empty(out, inp, dtype=torch.float8_e4m3fn, device=meta)
@@ -271,6 +274,18 @@ def _replacement(op: Op, compute_fp8: bool, cuda: bool) -> list[Op]:
                 ctx = _Ctx(saved=(data, scale), x_dtype=op.dtype, x_shape=(rows, inp))
                 g = torch.empty(rows, out, dtype=op.dtype, device=meta)
                 ops = _meta_ops(lambda: _ScaledMatmul.backward(ctx, g))
+        elif fused:
+            from .memory.fp8_fused import DequantMatmul
+
+            x = torch.empty(rows, inp, dtype=op.dtype, device=meta)
+            bias = torch.empty(out, dtype=op.dtype, device=meta) if op.bias else None
+            if forward:
+                ops = _meta_ops(lambda: DequantMatmul.forward(_Ctx(), x, data, scale, bias, op.dtype))
+            else:
+                ctx = _Ctx(saved=(data, scale), x_dtype=op.dtype, dtype=op.dtype, bias_dtype=op.dtype,
+                           needs_input_grad=(True, False, False, False, False))
+                g = torch.empty(rows, out, dtype=op.dtype, device=meta)
+                ops = _meta_ops(lambda: DequantMatmul.backward(ctx, g))
         else:  # quanto's qbytes_mm: the weight cast and scaled, then the product; the bias apart
             def dequantizing() -> None:
                 w = scale * data.to(op.dtype)
@@ -298,7 +313,7 @@ def kernels(tally: OpTally, v: Variant, cuda: bool) -> list[Op]:
     out: list[Op] = []
     for op in tally.ops:
         if op.kind == BASE and op.layer in v.quantized:
-            out += _replacement(op, v.fp8_compute, cuda)
+            out += _replacement(op, v.fp8_compute, cuda, v.fused)
         else:
             out.append(op)
     return out
@@ -375,7 +390,7 @@ def estimate(tally: OpTally, v: Variant, dev: Device, optimizer: list[Op] | None
     seen = [False, False]
     by_kind = {"products": 0.0, "attention": 0.0, "memory-bound": 0.0}
     for op in tally.ops:  # each use of a quanto fp8 layer: its Python dispatching on the host
-        if op.kind == BASE and op.layer in v.quantized and not v.fp8_compute:
+        if op.kind == BASE and op.layer in v.quantized and not (v.fp8_compute or v.fused):
             host[op.phase] += dev.quanto_call_s[0 if op.role == "fwd" else 1]
     for i, op in enumerate(ops):
         s = op_seconds(op, dev)

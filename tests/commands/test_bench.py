@@ -290,3 +290,20 @@ def test_fp8_compute_is_a_setting_set_against_fp8_storage() -> None:
     wrong = {**c, "setting": "fp8c:4", "losses": [x * 1.5 for x in c["losses"]]}
     (bad,) = bench.loss_agreement([{**a, "setting": "fp8:4"}, wrong])
     assert not bad["agree"] and "DIFFER: fp8 compute strays from fp8 storage" in bad["text"]
+
+
+def test_the_fused_fp8_path_is_a_setting_held_to_fp8_storage_s_losses() -> None:
+    """``fp8f:N`` trains with memory.fp8_fused (the record says so); the same math rounded in other
+    places, so its losses are held to the tolerance of one precision's settings."""
+    assert [(s.name, s.precision) for s in bench.parse_settings("fp8f:4,fp8f+compile:0", True)] == [
+        ("fp8f:4", "fp8f"), ("fp8f+compile:0", "fp8f")]
+    spec = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "steps": 2, "warmup": 1,
+            "resolution": 64, "arch": "preset", "blocks": 4}
+    a = bench.run_setting({**spec, "precision": "fp8"})
+    f = bench.run_setting({**spec, "precision": "fp8f"})
+    assert a["status"] == f["status"] == "ok" and f["fp8"]["fused"] is True and a["fp8"]["fused"] is False
+    (agreement,) = bench.loss_agreement([{**a, "setting": "fp8:4"}, {**f, "setting": "fp8f:4"}])
+    assert agreement["agree"] and agreement["rtol"] == bench.LOSS_RTOL["fp32"], agreement
+    wrong = {**f, "setting": "fp8f:4", "losses": [x * 1.01 for x in f["losses"]]}
+    (bad,) = bench.loss_agreement([{**a, "setting": "fp8:4"}, wrong])
+    assert not bad["agree"] and "DIFFER: the fused dequantizing path computes differently" in bad["text"]

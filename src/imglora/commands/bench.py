@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import atomic
 from ..errors import ImgloraError
-from .bench_agreement import COMPILED, FP8_COMPUTE_RTOL, LOSS_RTOL, loss_agreement  # noqa: F401 (re-exported)
+from .bench_agreement import (COMPILED, FP8_COMPUTE_RTOL, FP8_SETTINGS, LOSS_RTOL,  # noqa: F401 (re-exported)
+                              loss_agreement)
 
 if TYPE_CHECKING:
     from ..source import ModelSource
@@ -50,18 +51,18 @@ class Setting:
 
 
 def parse_settings(text: str, default_fp8: bool) -> list[Setting]:
-    """``"0,9,18"`` or ``"fp8:0,fp8:18,bf16:0"``; a bare number takes --fp8/--no-fp8. ``fp8c``: fp8
-    weights with fp8 compute (memory.fp8_compute); ``+compile`` after the precision: compiled
-    blocks (memory.compile = "blocks")."""
+    """``"0,9,18"`` or ``"fp8:0,fp8:18,bf16:0"``; a bare number takes --fp8/--no-fp8. ``fp8f``: fp8
+    weights dequantized by the fused path (memory.fp8_fused); ``fp8c``: fp8 compute
+    (memory.fp8_compute); ``+compile`` after the precision: compiled blocks (memory.compile = "blocks")."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         precision, _, number = item.rpartition(":")
         compiled = precision.endswith(COMPILED)
         precision = precision.removesuffix(COMPILED) or ("fp8" if default_fp8 else "model")
-        if precision not in ("fp8", "fp8c", "model", "bf16", "fp16", "fp32") or not number.isdigit():
-            raise OptionError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, fp8c (fp8 "
-                               "compute), bf16, fp16 or fp32, each optionally followed by +compile (compiled "
-                               "blocks; e.g. 0,9,18 or fp8:18,fp8c:18,fp8c+compile:18,bf16:0)")
+        if precision not in (*FP8_SETTINGS, "model", "bf16", "fp16", "fp32") or not number.isdigit():
+            raise OptionError(f"--blocks item {item!r}: expected N or PRECISION:N with PRECISION fp8, fp8f (fp8, "
+                               "fused dequantize), fp8c (fp8 compute), bf16, fp16 or fp32, each optionally followed "
+                               "by +compile (compiled blocks; e.g. 0,9,18 or fp8:18,fp8f:18,fp8c:18,bf16:0)")
         out.append(Setting(precision, int(number), compiled))
     if not out:
         raise OptionError("--blocks: give at least one setting")
@@ -312,10 +313,11 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
 
     device = devices.default_device()
     overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}"]
-    if spec["precision"] in ("fp8", "fp8c"):
-        overrides += ["memory.fp8=true", f"memory.fp8_compute={str(spec['precision'] == 'fp8c').lower()}"]
+    if spec["precision"] in FP8_SETTINGS:
+        overrides += ["memory.fp8=true"] + [f"memory.{k}={str(v).lower()}" for k, v in
+                                            FP8_SETTINGS[spec["precision"]].items()]
     else:
-        overrides += ["memory.fp8=false", "memory.fp8_compute=false"]
+        overrides += ["memory.fp8=false", "memory.fp8_compute=false", "memory.fp8_fused=false"]
         if spec["precision"] != "model":
             overrides.append(f"model.dtype=\"{spec['precision']}\"")
     if spec.get("resolution"):

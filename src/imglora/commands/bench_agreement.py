@@ -6,6 +6,13 @@ import math
 from typing import Any
 
 COMPILED = "+compile"  # a setting's suffix: its blocks compiled (fp8c+compile:18)
+# The fp8 settings and the memory keys each sets (with memory.fp8 = true): fp8 storage with
+# optimum-quanto's dequantizing matmul, the fused dequantizing matmul, fp8 compute.
+FP8_SETTINGS: dict[str, dict[str, bool]] = {
+    "fp8": {"fp8_fused": False, "fp8_compute": False},
+    "fp8f": {"fp8_fused": True, "fp8_compute": False},
+    "fp8c": {"fp8_fused": False, "fp8_compute": True},
+}
 
 
 # Settings of one precision train the same math on the same weights, seeds and batches (swapping
@@ -33,6 +40,11 @@ def loss_agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out += [_agreement(rs[0], r, rtol, f"tolerance {rtol:.1e}", "one of the two paths computes wrongly")
                 for r in rs[1:]]
     fp8 = {r["setting"].split(":")[1]: r for r in groups.get("fp8", [])}
+    # the fused dequantizing path rounds once per product where quanto rounds the weight: the same
+    # math, so the same tolerance as among one precision's settings
+    out += [_agreement(fp8[r["setting"].split(":")[1]], r, _rtol("fp8", r), f"tolerance {_rtol('fp8', r):.1e}",
+                       "the fused dequantizing path computes differently")
+            for r in groups.get("fp8f", []) if r["setting"].split(":")[1] in fp8]
     out += [_agreement(fp8[r["setting"].split(":")[1]], r, FP8_COMPUTE_RTOL,
                        f"fp8 compute's tolerance {FP8_COMPUTE_RTOL:.0e}", "fp8 compute strays from fp8 storage")
             for r in groups.get("fp8c", []) if r["setting"].split(":")[1] in fp8]

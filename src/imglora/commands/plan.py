@@ -30,18 +30,21 @@ def source_or_shipped(cfg: "Config", family: Any) -> tuple["ModelSource | None",
 
 
 def default_settings(cfg: "Config", family: Any, src: "ModelSource | None", fp8_cores: bool = False) -> list[plan.Setting]:
-    """The preset's own setting, then fp8 with the usual swap counts, fp8 compute at the preset's
-    swap count (on a card with fp8 tensor cores), then the model dtype unswapped."""
+    """The preset's own setting, then fp8 with the usual swap counts, the fused fp8 path and fp8
+    compute (on a card with fp8 tensor cores) at the preset's swap count, then the model dtype
+    unswapped."""
     from ..family import Swappable, supports
 
-    own = plan.Setting(("fp8c" if cfg.memory.fp8_compute else "fp8") if cfg.memory.fp8 else "model",
-                       cfg.memory.blocks_to_swap)
+    m = cfg.memory
+    own = plan.Setting(("fp8c" if m.fp8_compute else "fp8f" if m.fp8_fused else "fp8") if m.fp8 else "model",
+                       m.blocks_to_swap)
     out = [own]
     swaps: tuple[int, ...] = (0,)
     if supports(family, Swappable):
         trainable_lengths = _block_lengths(family, src, cfg)
         swaps = tuple(n for n in SWEEP if plan_budget.valid_swap(family, trainable_lengths, cfg, n))
-    extra = [plan.Setting("fp8c", own.blocks)] if fp8_cores and own.blocks in swaps else []
+    extra = [plan.Setting(p, own.blocks) for p in ("fp8f", "fp8c") if p == "fp8f" or fp8_cores] \
+        if own.blocks in swaps else []
     for s in [plan.Setting("fp8", n) for n in swaps] + extra + [plan.Setting("model", 0)]:
         if s not in out:
             out.append(s)

@@ -25,9 +25,10 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
         problems.append(f"{where('memory.fp8')}: memory.fp8 = true and memory.quantization = "
                         f"\"{m.quantization}\" both quantize the frozen base; choose one (set memory.fp8 = false "
                         "for 4-bit QLoRA, or memory.quantization = \"none\" for fp8)")
-    if m.fp8_compute and not m.fp8:
-        problems.append(f"{where('memory.fp8_compute')}: runs the matmuls of fp8-stored weights, and memory.fp8 = "
-                        "false stores none; set memory.fp8 = true, or memory.fp8_compute = false")
+    for key in ("fp8_compute", "fp8_fused"):
+        if getattr(m, key) and not m.fp8:
+            problems.append(f"{where('memory.' + key)}: runs the matmuls of fp8-stored weights, and memory.fp8 = "
+                            f"false stores none; set memory.fp8 = true, or memory.{key} = false")
     if d.min_bucket_side > d.max_bucket_side:
         problems.append(f"{where('data.min_bucket_side')}: {d.min_bucket_side} is larger than "
                         f"data.max_bucket_side = {d.max_bucket_side}")

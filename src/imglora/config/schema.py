@@ -283,10 +283,9 @@ class TrainConfig:
         "auto", help="auto = bf16 on CUDA, none on CPU.")
     checkpoint_every: int = setting(0, help="Save a checkpoint every N updates; 0 = only at the end.",
                                     min=0, max=10_000_000, resume_safe=True)
-    keep_checkpoints: int = setting(3, help="How many of the newest checkpoints to keep.", min=1, max=100_000,
-                                    resume_safe=True)
-    log_every: int = setting(10, help="Log loss and timing every N updates (each log is a host-device sync).",
-                             min=1, max=100_000, resume_safe=True)
+    keep_checkpoints: int = setting(3, help="How many newest checkpoints to keep.", min=1, max=100_000, resume_safe=True)
+    log_every: int = setting(10, help="Log loss and timing every N updates (each log is a host-device sync).", min=1,
+                             max=100_000, resume_safe=True)
     eval_after: bool = setting(False, help="Run `imglora eval` in a fresh process after training.", resume_safe=True)
     ema: bool = setting(False, help="Also keep an exponential moving average of the adapter weights (saved beside "
                                     "them as adapter_ema/; export and eval choose with --weights ema|raw).")
@@ -298,26 +297,30 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    gradient_checkpointing: bool = setting(True, help="Recompute activations in backward to save memory.",
-                                           resume_safe=True)
+    gradient_checkpointing: bool = setting(True, help="Recompute activations in backward.", resume_safe=True)
     fp8: bool = setting(False, help="Store frozen base weights as float8 (optimum-quanto qfloat8).")
-    fp8_compute: bool = setting(
-        False, help="With memory.fp8: run the frozen layers' matmuls in fp8 (torch._scaled_mm, per-token input "
-                    "scales, the bias fused) instead of dequantizing each weight for a bf16 matmul, on GPUs with "
-                    "fp8 tensor cores (compute capability 8.9+; elsewhere the run says so and dequantizes). The "
-                    "LoRA branch stays in the compute dtype. Off by default until measured on a GPU.",
+    fp8_fused: bool = setting(False, help="With memory.fp8, dequantizing: one cast of each fp8 weight per use, "
+        "its scales and the bias applied to the output in one kernel, no fp32 round trip, no input saved for a "
+        "weight gradient never computed (false: optimum-quanto's matmul). Off until measured on a GPU.",
         resume_safe=True)
+    fp8_compute: bool = setting(False, help="With memory.fp8: run the frozen layers' matmuls in fp8 "
+        "(torch._scaled_mm, per-token input scales, the bias fused) instead of dequantizing each weight for a bf16 "
+        "matmul, on GPUs with fp8 tensor cores (compute capability 8.9+; elsewhere the run says so and "
+        "dequantizes, fused). The LoRA branch stays in the compute dtype. Off until measured on a GPU.",
+        resume_safe=True)
+    norms_in_model_dtype: bool = setting(False, help="Under autocast, LayerNorm and GroupNorm read and write the "
+        "model dtype (fp32 inside the kernel, as in bf16 inference) instead of returning fp32: the modulation after "
+        "them runs in bf16 and the next Linear layers need no cast. Off until measured on a GPU.", resume_safe=True)
     compile: Literal["none", "blocks"] = setting("none", help="\"blocks\": torch.compile each transformer block's "
         "forward (one graph per kind; swap and offload hooks outside). The first update compiles. Works with fp8, "
         "swap, checkpointing and every adapter type. Off until measured on a GPU.", resume_safe=True)
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = setting("default", help="torch.compile's mode "
         "(CUDA graphs are not offered: swap and offload move tensors a captured graph cannot follow).", resume_safe=True)
     blocks_to_swap: int = setting(0, help="Transformer blocks kept in host memory and streamed to the GPU as they "
-                                          "run; the family says how a count maps onto its block lists (as kohya "
-                                          "sd-scripts counts).", min=0, max=1000, resume_safe=True)
-    quantization: Literal["none", "qint4", "nf4"] = setting(
-        "none", help="4-bit frozen base weights: qint4 (optimum-quanto) or nf4 (bitsandbytes, CUDA), where the "
-                     "family supports it.")
+        "run; the family maps a count onto its block lists (as kohya sd-scripts counts).", min=0, max=1000,
+        resume_safe=True)
+    quantization: Literal["none", "qint4", "nf4"] = setting("none", help="4-bit frozen base weights: qint4 "
+        "(optimum-quanto) or nf4 (bitsandbytes, CUDA), where the family supports it.")
     offload_checkpoints: bool = setting(
         False, help="With gradient checkpointing: keep each block's saved inputs in pinned host memory, copied back "
                     "when backward recomputes the block (kohya's cpu_offload_checkpointing; about 1.5 GiB less for a "
@@ -328,9 +331,8 @@ class MemoryConfig:
                                          "choose the depth (up to 6) that hides the copies, where the card and "
                                          "memory.vram_budget have room; the log and run record show the choice.",
                                  min=0, max=8, resume_safe=True)
-    ema_on_cpu: bool = setting(False, help="With train.ema: keep the moving average in host memory (one device-to-host "
-                                           "copy of the adapter per EMA update) instead of beside the weights.",
-                               resume_safe=True)
+    ema_on_cpu: bool = setting(False, help="With train.ema: keep the moving average in host memory (one "
+        "device-to-host copy of the adapter per EMA update) instead of beside the weights.", resume_safe=True)
     vram_budget: float = setting(0.0, help="GiB of GPU memory this run may use; > 0: `imglora train` refuses a "
                                            "setting `imglora plan` predicts not to fit, naming the smallest change "
                                            "that fits. 0 = no check.", min=0.0, max=100_000.0, resume_safe=True)

@@ -17,7 +17,8 @@ OneTrainer's W8A8 layers and SimpleTuner's ``fp8-native`` do:
 * **What stays as it was.** The LoRA branch (peft's ``lora_A``/``lora_B``) runs beside the base
   layer in the compute dtype, untouched. A call the kernel cannot take -- a dimension not a
   multiple of 16 (``_scaled_mm``'s rule on CUDA; FLUX's modulation layers see one row per
-  sample) -- takes quanto's dequantizing path, counted in :attr:`Fp8Compute.fallback_calls`.
+  sample) -- takes the fused dequantizing path (``memory/fp8_fused.py``), counted in
+  :attr:`Fp8Compute.fallback_calls`.
 
 ``torch._scaled_mm`` also runs on the CPU (torch >= 2.13), which is how the numerics are tested
 here; whether it is faster than the dequantizing path is a GPU measurement (``imglora bench-swap``).
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .fp8_fused import fp8_parts, fused_linear
 
 E4M3_MAX = 448.0
 
@@ -49,10 +52,18 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (2-D) in e4m3fn with one float32 scale per row: ``x ~= q * scale``."""
-    amax = x.detach().abs().amax(dim=1, keepdim=True).float()
-    scale = torch.clamp(amax, min=1e-12) / E4M3_MAX
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    """``x`` (2-D) in e4m3fn with one float32 scale per row: ``x ~= q * scale``.
+
+    The scale is a power of two (the smallest with ``|x| / scale <= 448``, as MX formats and
+    DeepSeek-V3's fp8 recipe choose), so dividing by it is exact in ``x``'s own dtype: one pass
+    reads ``x`` and writes the fp8 copy, with no fp32 copy of ``x`` and no clamp; the only rounding
+    is e4m3's. A row's largest value lands in [224, 448]: one binade of the range is given up.
+    """
+    amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax, min=1e-30) / E4M3_MAX)))
+    if x.dtype not in (torch.bfloat16, torch.float32):  # fp16's range cannot hold every power of two
+        x = x.float()
+    q = (x * scale.reciprocal().to(x.dtype)).to(torch.float8_e4m3fn)
     return q, scale
 
 
@@ -83,7 +94,10 @@ class _ScaledMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         data, scale = ctx.saved_tensors
-        g2 = grad.reshape(-1, data.shape[0]).float() * scale.reshape(1, -1).float()
+        g = grad.reshape(-1, data.shape[0])
+        # the weight's per-channel scales folded into the gradient in its own dtype (no fp32 copy;
+        # rounding the scales to bf16, 2**-9 at most, is far below the e4m3 rounding that follows)
+        g2 = g * scale.reshape(1, -1).to(g.dtype)
         gq, gs = _quantize_rows(g2)
         w_col = data.t().contiguous().t()  # [out, in], column-major: the kernel's layout for mat2
         ones = torch.ones(1, data.shape[1], dtype=torch.float32, device=data.device)
@@ -93,12 +107,12 @@ class _ScaledMatmul(torch.autograd.Function):
 
 
 def _forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    data, scale = getattr(w, "_data", None), getattr(w, "_scale", None)
+    parts = fp8_parts(self.weight)
     rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
-    if data is None or data.dtype != torch.float8_e4m3fn or not _fits(rows, data.shape[1], data.shape[0]):
+    if parts is None or not _fits(rows, parts[0].shape[1], parts[0].shape[0]):
         self._fp8_compute.fallback_calls += 1
-        return type(self).forward(self, input)
+        return fused_linear(self, input)
+    data, scale = parts
     self._fp8_compute.fp8_calls += 1
     device_type = input.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype

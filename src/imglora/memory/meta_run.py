@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 # Imported here, never first while ``Autocast`` has torch's checkpoint replaced: offload.py binds
 # torch.utils.checkpoint.checkpoint when it is imported, and must bind the real one.
+from .norms import autocast_suspended
 from .offload import MIN_BYTES
 
 
@@ -150,7 +151,7 @@ class Autocast(TorchFunctionMode):
                 kwargs = {k: self._cast(v, self.dtype) if k in ("query", "key", "value") else v
                           for k, v in kwargs.items()}
             return flash_attention(*args, **kwargs)
-        if self.dtype is not None:
+        if self.dtype is not None and not autocast_suspended():  # (memory/norms.py suspends it)
             if func in _LOW:
                 args = tuple(self._cast(a, self.dtype) for a in args)
                 kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}

@@ -37,7 +37,7 @@ _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": 4,
               "_scaled_dot_product_flash_attention_for_cpu_backward": 10}
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                 "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
-                "_has_compatible_shallow_copy_type", "set_"}
+                "_has_compatible_shallow_copy_type", "set_", "_unsafe_view"}  # (a view autograd does not track)
 
 
 _FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -59,6 +59,7 @@ class Op:
     role: str = ""  # BASE: "fwd" (x @ W.t(), forward or recompute) or "dgrad" (the input gradient, g @ W)
     fp8: bool = False  # a product on fp8 tensor cores (torch._scaled_mm)
     from_fp8: bool = False  # memory-bound work reading fp8 data (a dequantizing cast: some CPUs convert slowly)
+    name: str = ""  # the aten op ("mm", "native_layer_norm", "_to_copy", ...): where the time goes
 
 
 @dataclass
@@ -159,5 +160,5 @@ class OpCounter(TorchDispatchMode):
                 key = id(outputs[0])
                 self._weights[key] = self._weights[id(_root(inputs[0]))]
                 weakref.finalize(outputs[0], self._weights.pop, key, None)
-        self.tally.ops.append(Op(kind, phase, self._block, dtype, flops, moved, **extra))
+        self.tally.ops.append(Op(kind, phase, self._block, dtype, flops, moved, name=name, **extra))
         return out

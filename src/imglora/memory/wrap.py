@@ -84,7 +84,14 @@ def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: 
         report = quantize_fp8(model, family.quantize_exclude)
         out(report.summary())
         setup.facts["fp8"] = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after,
-                              "quantized_layers": report.n_quantized, "kept_layers": list(report.kept)}
+                              "quantized_layers": report.n_quantized, "kept_layers": list(report.kept),
+                              "fused": m.fp8_fused or m.fp8_compute}
+        if m.fp8_fused or m.fp8_compute:  # fp8 compute's fallback for the shapes it cannot take is the fused one
+            from .fp8_fused import enable as fuse
+
+            n = fuse(model)
+            if m.fp8_fused:
+                out(f"fp8: {n} Linear layers dequantize once per use, scales and bias fused (memory.fp8_fused)")
         if m.fp8_compute:
             setup.facts["fp8_compute"] = fp8_compute(model, device, out)
     if m.offload_checkpoints and m.gradient_checkpointing:
