@@ -198,3 +198,12 @@ def test_host_ram_counts_the_boundaries_exactly_and_the_cuda_libraries() -> None
     assert p.term("host_checkpoints") == sum(prof.checkpoint_inputs)
     assert p.term("host_cuda") == plan.CUDA_HOST_ESTIMATE
     assert p.host_peak >= p.term("host_cuda") + p.term("host_swapped") + p.term("host_checkpoints")
+
+
+def test_a_configs_own_setting_names_its_fp8_path() -> None:
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", [])
+    m = cfg.memory
+    assert m.fp8 and plan.precision_of(cfg) == "fp8"
+    assert plan.precision_of(cfg.replace(memory={"fp8_fused": True})) == "fp8f"
+    assert plan.precision_of(cfg.replace(memory={"fp8_compute": True})) == "fp8c"
+    assert plan.precision_of(cfg.replace(memory={"fp8": False})) == "model"

@@ -44,7 +44,7 @@ ALLOCATOR_MARGIN = 1.05  # reserved / allocated: the caching allocator's roundin
 
 @dataclass(frozen=True)
 class Setting:
-    precision: str  # "fp8" or a dtype name ("bf16", "fp16", "fp32"), or "model" (the preset's dtype)
+    precision: str  # "fp8", "fp8f", "fp8c" (FP8_SETTINGS), a dtype name ("bf16", "fp16", "fp32"), or "model"
     blocks: int  # kohya-style blocks_to_swap
 
     @property
@@ -89,6 +89,12 @@ class SettingPlan:
                 "measured_seconds_per_update": self.measured_seconds,
                 "predicted_seconds_per_update": self.predicted.seconds if self.predicted else None,
                 "predicted_parts": self.predicted.parts if self.predicted else None, "time_note": self.time_note or None}
+
+
+def precision_of(cfg: "Config") -> str:
+    """The plan and bench setting name of ``cfg``'s own precision (fp8, fp8f, fp8c or model)."""
+    m = cfg.memory
+    return ("fp8c" if m.fp8_compute else "fp8f" if m.fp8_fused else "fp8") if m.fp8 else "model"
 
 
 def needed_vram(device_peak: int) -> int:
@@ -304,15 +310,13 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         state, temps, opt_note = optimizer_bytes(cfg, prof.lora_params, cuda)
         state += ema_device
         dequant = 0
-        if quantized and s.precision == "fp8c":
-            # fp8 compute (memory.fp8_compute) dequantizes nothing; its input gradient lays the largest
-            # weight out column-major in fp8 for a moment (one byte per weight)
-            dequant = max(model.get_submodule(n).weight.numel() for n in quantized)
-        elif quantized:
+        if quantized:
             # quanto's matmul (CPU, and CUDA for fp8 weights) makes the weight in the compute dtype,
             # then that times its scales: two copies of the largest layer for a moment; the fused
-            # path (memory.fp8_fused) makes one.
-            dequant = (1 if s.precision == "fp8f" else 2) * \
+            # path (memory.fp8_fused) makes one; so does fp8 compute where a shape falls back to it
+            # (FLUX's modulation layers, the largest, see one row per sample), and its fp8 kernels
+            # need less (the weight laid out column-major in fp8, one byte per weight)
+            dequant = (2 if s.precision == "fp8" else 1) * \
                 max(model.get_submodule(n).weight.numel() for n in quantized) * (torch.finfo(prof.dtype).bits // 8)
         act_extra = prof.peak - prof.saved
         offloaded = offloaded_pinned = 0
@@ -339,8 +343,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
             Term("batch", "the micro-batch (latents, embeddings)", prof.batch, dev),
             Term("activations_saved", "activations kept for backward (checkpoint boundaries)", saved, dev),
             Term("activations_working", "recompute + backward working set, and gradients so far", act_extra, dev),
-            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (fp8: 2 copies at once, fp8f: 1), "
-                 "or laid out column-major for its input gradient (fp8c)", dequant, dev),
+            Term("fp8_dequant", "the largest fp8 weight dequantized for its matmul (fp8: 2 copies at once; fp8f, "
+                 "and fp8c where a shape falls back: 1)", dequant, dev),
         ]
         if not cuda:
             terms.append(Term("swapped_blocks", "swapped blocks' host copies (no GPU: the same memory)", swapped,

@@ -37,7 +37,7 @@ def check_at_start(cfg: "Config", family: Any, src: "ModelSource", device_kind: 
         return None
     if device_kind != "cuda" and not budget:
         return None  # a CPU run: tensors are small and the plan would cost more than it tells
-    own = Setting("fp8" if cfg.memory.fp8 else "model", cfg.memory.blocks_to_swap)
+    own = Setting(precision_of(cfg), cfg.memory.blocks_to_swap)
     profiles: dict[Any, Profile] = {}
     p = predict(cfg, family, [own], device_kind="cuda", src=src, profiles=profiles).settings[0]
     out(one_line(p, "cuda"))
@@ -64,7 +64,7 @@ def smallest_change(cfg: "Config", family: Any, src: "ModelSource", budget: int,
         peak = predict(c, family, [s], device_kind="cuda", src=src, profiles=profiles).settings[0].device_peak
         return peak if needed_vram(peak) <= budget else None
 
-    precision = "fp8" if cfg.memory.fp8 else "model"
+    precision = precision_of(cfg)
     tries: list[tuple[str, "Config", Setting]] = []
     if supports(family, Swappable):
         lengths = family.block_counts(src)

@@ -196,3 +196,22 @@ def test_on_a_gpu_with_fp8_tensor_cores_one_layer_within_fp8_error() -> None:
     (gx1,) = torch.autograd.grad(y1, x, g)
     assert state.fp8_calls == 1 and y1.dtype == torch.bfloat16
     assert rel(y1, y0) < 0.04 and rel(gx1, gx0) < 0.04
+
+
+def test_fp16_gradients_with_small_scales_stay_finite_and_within_fp8_error() -> None:
+    """In fp16 the weights' scales (absmax / 448) and their products with the gradient are below
+    fp16's normal range for small weights: the backward folds them in fp32."""
+    torch.manual_seed(5)
+    dense = nn.Linear(256, 128).half()
+    with torch.no_grad():
+        dense.weight.mul_(0.05)  # absmax about 3e-3: scales about 7e-6, subnormal in fp16
+    dense.requires_grad_(False)
+    ref = dense.weight.float().clone()
+    wrapper = nn.Sequential(dense)
+    quantize_fp8(wrapper)
+    enable(wrapper)
+    x = torch.randn(32, 256).half().requires_grad_()
+    g = torch.randn(32, 128).half()
+    (gx,) = torch.autograd.grad(wrapper[0](x), x, g)
+    assert torch.isfinite(gx).all()
+    assert rel(gx, g.float() @ ref) < 0.05  # e4m3 rounding of the gradient and the weight

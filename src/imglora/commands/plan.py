@@ -35,9 +35,7 @@ def default_settings(cfg: "Config", family: Any, src: "ModelSource | None", fp8_
     unswapped."""
     from ..family import Swappable, supports
 
-    m = cfg.memory
-    own = plan.Setting(("fp8c" if m.fp8_compute else "fp8f" if m.fp8_fused else "fp8") if m.fp8 else "model",
-                       m.blocks_to_swap)
+    own = plan.Setting(plan.precision_of(cfg), cfg.memory.blocks_to_swap)
     out = [own]
     swaps: tuple[int, ...] = (0,)
     if supports(family, Swappable):

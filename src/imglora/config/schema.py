@@ -300,9 +300,9 @@ class MemoryConfig:
     gradient_checkpointing: bool = setting(True, help="Recompute activations in backward.", resume_safe=True)
     fp8: bool = setting(False, help="Store frozen base weights as float8 (optimum-quanto qfloat8).")
     fp8_fused: bool = setting(False, help="With memory.fp8, dequantizing: one cast of each fp8 weight per use, "
-        "its scales and the bias applied to the output in one kernel, no fp32 round trip, no input saved for a "
-        "weight gradient never computed (false: optimum-quanto's matmul). Off until measured on a GPU.",
-        resume_safe=True)
+        "its scales on whichever of weight or output is smaller, the bias fused, the autocast dtype honoured, no "
+        "input saved for a weight gradient never computed (false: optimum-quanto's matmul). Off until measured on "
+        "a GPU.", resume_safe=True)
     fp8_compute: bool = setting(False, help="With memory.fp8: run the frozen layers' matmuls in fp8 "
         "(torch._scaled_mm, per-token input scales, the bias fused) instead of dequantizing each weight for a bf16 "
         "matmul, on GPUs with fp8 tensor cores (compute capability 8.9+; elsewhere the run says so and "

@@ -17,7 +17,9 @@ the gradient-checkpointing wrapper that the model puts around each block call.
   a forward of the same math on the subclass's inner tensors instead: ``scale * data`` in the
   scale's dtype, then the matmul, as quanto's ``qbytes_mm`` computes it, with the bias added in the
   matmul. Inductor's partitioner then decides per layer whether backward keeps the dequantized
-  weight or recomputes it from the fp8 bytes. fp8 compute's layers (``memory.fp8_compute``) and the
+  weight or recomputes it from the fp8 bytes, and fuses the cast and the scaling into one kernel:
+  inside the graphs this is what ``memory.fp8_fused`` does eagerly, which so only changes the fp8
+  layers outside compiled blocks (``fp8f+compile`` measures the same graphs as ``fp8+compile``). fp8 compute's layers (``memory.fp8_compute``) and the
   fp8 bases of DoRA adapters run eagerly between graphs, unchanged (:func:`prepare_fp8`).
 * **Shapes.** The first update at a new bucket shape compiles again. From the second shape on,
   dynamo marks the changing sizes dynamic ("automatic dynamic shapes"), and one graph serves the

@@ -55,9 +55,10 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D) in e4m3fn with one float32 scale per row: ``x ~= q * scale``.
 
     The scale is a power of two (the smallest with ``|x| / scale <= 448``, as MX formats and
-    DeepSeek-V3's fp8 recipe choose), so dividing by it is exact in ``x``'s own dtype: one pass
-    reads ``x`` and writes the fp8 copy, with no fp32 copy of ``x`` and no clamp; the only rounding
-    is e4m3's. A row's largest value lands in [224, 448]: one binade of the range is given up.
+    DeepSeek-V3's fp8 recipe choose), so dividing by it is exact in ``x``'s own dtype: after the
+    row absmax, the scaling (in ``x``'s dtype, not fp32) and the cast to fp8 (eager: two passes;
+    fused into one when compiled), with no fp32 copy of ``x`` and no clamp; the only rounding is
+    e4m3's. A row's largest value lands in [224, 448]: one binade of the range is given up.
     """
     amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=1, keepdim=True, dtype=torch.float32)
     scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax, min=1e-30) / E4M3_MAX)))
@@ -95,6 +96,8 @@ class _ScaledMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         data, scale = ctx.saved_tensors
         g = grad.reshape(-1, data.shape[0])
+        if g.dtype == torch.float16:  # fp16 cannot hold small scales (absmax / 448) nor their products
+            g = g.float()
         # the weight's per-channel scales folded into the gradient in its own dtype (no fp32 copy;
         # rounding the scales to bf16, 2**-9 at most, is far below the e4m3 rounding that follows)
         g2 = g * scale.reshape(1, -1).to(g.dtype)

@@ -63,7 +63,7 @@ class DequantMatmul(torch.autograd.Function):
         xc, b = x.to(dtype), bias.to(dtype) if bias is not None else None
         if scales_on_weight(rows, data.shape[1], dtype):
             # the weight's copy scaled in place; the bias added by the product's own kernel
-            y = F.linear(xc, data.to(dtype).mul_(scale.to(dtype)), b)
+            y = F.linear(xc, data.to(dtype).mul_(scale), b)  # (mul_ in the scales' dtype: one rounding)
         else:
             s = scale.reshape(-1).to(dtype)
             y = xc @ data.to(dtype).t()
@@ -81,7 +81,7 @@ class DequantMatmul(torch.autograd.Function):
             g = grad.to(ctx.dtype)
             rows = g.numel() // g.shape[-1] if g.shape[-1] else 0
             if scales_on_weight(rows, data.shape[1], ctx.dtype):
-                gx = g @ data.to(ctx.dtype).mul_(scale.to(ctx.dtype))
+                gx = g @ data.to(ctx.dtype).mul_(scale)
             else:
                 gx = (g * scale.reshape(-1).to(ctx.dtype)) @ data.to(ctx.dtype)
             gx = gx.to(ctx.x_dtype)
