@@ -11,7 +11,7 @@ import torch
 
 from .errors import ImgloraError
 from .memory.meter import LiveBytes, held_bytes
-from .plan import GiB, Profile, Setting, fmt, needed_vram, one_line, predict
+from .plan import GiB, Profile, Setting, fmt, needed_vram, one_line, precision_of, predict
 
 if TYPE_CHECKING:
     from .config import Config
