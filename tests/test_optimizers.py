@@ -139,7 +139,7 @@ def test_a_missing_package_is_one_error_naming_the_pip_install(small_run, monkey
 @pytest.mark.parametrize("name,args", [
     pytest.param("prodigy", "{d_coef = 1.5, safeguard_warmup = true, use_bias_correction = true}",
                  marks=pytest.mark.slow),  # (the default run stays under 6 minutes; CI runs it)
-    ("schedulefree_adamw", "{warmup_steps = 1}")])
+    pytest.param("schedulefree_adamw", "{warmup_steps = 1}", marks=pytest.mark.slow)])
 def test_run_resumes_bit_for_bit(small_run, name, args) -> None:
     """With validation every update (schedule-free switches to its eval mode and back for it)."""
     needs(NAMES[name][1])

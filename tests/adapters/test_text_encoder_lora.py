@@ -71,7 +71,7 @@ def comfy_te_keys(family: str, part: str, encoder: nn.Module) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("family", [pytest.param("sdxl", marks=pytest.mark.slow), "flux"])  # (6-minute default run)
 def test_text_encoder_adapter_trains_uncached_and_loads_in_comfyui(family, small_run, tmp_path) -> None:
     cfg = run_cfg(family, small_run)
     lines: list[str] = []

@@ -165,6 +165,7 @@ def test_all_checkpoints_plots_loss_against_step_and_names_the_best(sdxl_run) ->
     assert rows[2]["heldout"] == single["heldout"] and rows[2]["train"] == single["train"]
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes; CI runs it)
 def test_checkpoints_pruned_during_an_all_checkpoints_eval_are_skipped(sdxl_run, tmp_path, monkeypatch) -> None:
     from imglora import checkpoint, sheets
 
