@@ -98,6 +98,7 @@ def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Pat
     assert rec["projection"]["seconds"] > 0.36 and rec["projection"]["actual_seconds"] > 0
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes in a fresh clone; CI runs it)
 def test_estimate_reads_a_finished_run(small_run) -> None:
     cfg = load_config(REPO / "presets" / "tiny-sdxl.toml",
                       small_run(("01_sky", "02_grass")) + ["train.log_every=1", "train.warmup_steps=0",

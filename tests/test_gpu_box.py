@@ -121,6 +121,7 @@ def _wheel(folder: Path, module: str, version: str = "1.0") -> Path:
     return path
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes in a fresh clone; CI runs it)
 def test_a_missing_library_is_installed_from_the_wheels_folder_only(tmp_path) -> None:
     module = "imglora_test_wheel_mod"
     wheels = tmp_path / "whl"

@@ -136,6 +136,7 @@ def test_plan_shows_seconds_per_update_for_a_card_and_fits_in_its_memory(tmp_pat
     assert "fp8c:0: no time predicted: the a100 has no fp8 tensor cores" in r.output
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes in a fresh clone; CI runs it)
 def test_measured_seconds_from_a_bench_file_take_the_predictions_place(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"results": [

@@ -148,7 +148,7 @@ def runs(tmp_path_factory, sample_dataset):
 def comfy_case(family: str, kind: str):
     # plain LoRA's export is also checked on synthetic weights by tests/test_export.py
     # (sdxl-lokr in CI only: the default run stays under 6 minutes; flux-lokr stays in it)
-    slow = kind == "lora" or (family, kind) == ("sdxl", "lokr")
+    slow = kind == "lora" or (family, kind) in (("sdxl", "lokr"), ("sdxl", "dora"))
     return pytest.param(family, kind, marks=(pytest.mark.slow,) if slow else (), id=f"{family}-{kind}")
 
 
@@ -270,7 +270,7 @@ def test_each_type_trains_its_own_tensors(runs) -> None:
         assert got == want, (kind, got)
 
 
-@pytest.mark.parametrize("family", ["sdxl", pytest.param("flux", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["flux", pytest.param("sdxl", marks=pytest.mark.slow)])  # (6-minute default run)
 def test_dora_adapter_loads_in_diffusers_with_the_trained_output(runs, family) -> None:
     """diffusers' load_lora_weights takes the run's DoRA adapter (peft form, with its magnitude and,
     for SDXL, the conv layers' own rank and alpha); LoHa/LoKr it refuses (README's table)."""

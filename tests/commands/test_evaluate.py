@@ -130,6 +130,7 @@ def test_eval_after_runs_in_its_own_process_with_its_own_record(sdxl_run) -> Non
     assert sheet.width > 2 * 64 and sheet.height > 2 * 64
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes in a fresh clone; CI runs it)
 def test_eval_is_deterministic_and_strength_0_is_the_base_pipeline(sdxl_run) -> None:
     cfg, _ = sdxl_run
     folder = cfg.run_dir / "eval" / "step-000003"

@@ -435,6 +435,7 @@ def test_divergence_rule_ignores_spikes_and_noise_and_names_a_runaway_loss() -> 
                                         "last 5 logs is 305.8, more than 10x its lowest (1.62 at update 3)")
 
 
+@pytest.mark.slow  # (the default run stays under 6 minutes in a fresh clone; CI runs it)
 def test_a_diverging_run_is_warned_about_in_the_log_the_output_and_the_record(small) -> None:
     cfg = load_cfg(small, "train.learning_rate=1.0", "train.max_grad_norm=0", "train.warmup_steps=0",
                    "train.checkpoint_every=0")
