@@ -5,11 +5,12 @@ every product with its FLOPs and dtype, every memory-bound op with the bytes it 
 backward, block by block. A setting changes them as the code does: with ``fp8`` every product with
 a quantized base weight first dequantizes it (quanto: a cast and a scale multiply, then the bf16
 product, the bias added apart), in forward, recompute and the input gradient alike; with ``fp8f``
-they run through ``memory.fp8_fused.DequantMatmul`` (one cast, the product, scales and bias in one
-pass over the output), with ``fp8c`` through ``memory.fp8_compute._ScaledMatmul`` (rows quantized
-per token, the product on fp8 tensor cores; the fused path where a shape does not fit): the kernels
-of both are counted by running that code on the meta device. Each kernel takes ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency))`` and
-at least one launch; on a GPU the host's dispatching overlaps the device's work, on the CPU it adds.
+they run through ``memory.fp8_fused.DequantMatmul`` (one cast, one scaling pass on the weight or
+the output, whichever is smaller, the bias fused), with ``fp8c`` through
+``memory.fp8_compute._ScaledMatmul`` (rows quantized per token, the product on fp8 tensor cores;
+the fused path where a shape does not fit): the kernels of both are counted by running that code on
+the meta device. Each kernel takes ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x
+efficiency))`` and at least one launch; on a GPU the host's dispatching overlaps the device's work, on the CPU it adds.
 
 Swapped blocks are simulated pass by pass as the swap engine schedules them: a block's weights come
 over the host link into one of ``prefetch + 1`` slots while earlier blocks compute, and a block

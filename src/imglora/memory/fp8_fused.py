@@ -26,8 +26,8 @@ Here, per call:
 
 Numerics: the same fp8 weights; scaled on the weight, the rounding is quanto's; scaled on the
 output, the rounding moves from the weight to the output, each within the compute dtype's half ulp,
-so the paths agree to a few bf16 ulps (tests state the bound). The fp8 compute path (``memory.fp8_compute``) falls back to this one for
-the shapes ``torch._scaled_mm`` cannot take.
+so the paths agree to a few bf16 ulps (tests state the bound). The fp8 compute path
+(``memory.fp8_compute``) falls back to this one for the shapes ``torch._scaled_mm`` cannot take.
 """
 
 from __future__ import annotations
