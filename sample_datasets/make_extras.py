@@ -5,6 +5,9 @@
   and not the backgrounds.
 - ``reg_balls/``: 4 plain striped balls of other colours, without a face, captioned as the class
   ("a striped ball, ..."): prior-preservation images for ``regularization = true``.
+- ``edit_toy/`` and ``edit_toy_sources/``: 4 edit pairs for the edit-model families (``control_dir``):
+  the target is an ``sks_toy`` image, its source the same image in black and white, the caption the
+  instruction ("colour this black-and-white photo: <its caption>").
 
 Pure Pillow and fixed seeds, as ``make_sample.py``. From the repository root::
 
@@ -80,6 +83,24 @@ def regularization(out_dir: Path) -> None:
         print(f"wrote {path} {size[0]}x{size[1]}")
 
 
+EDIT_STEMS = ("01_sky", "02_grass", "03_table", "04_wall")
+
+
+def edit_pairs(target_dir: Path, source_dir: Path) -> None:
+    target_dir.mkdir(parents=True, exist_ok=True)
+    source_dir.mkdir(parents=True, exist_ok=True)
+    for stem in EDIT_STEMS:
+        image = next(p for p in sorted((HERE / "sks_toy").glob(f"{stem}.*")) if p.suffix != ".txt"
+                     and p.suffix != ".tags")
+        (target_dir / image.name).write_bytes(image.read_bytes())
+        caption = image.with_suffix(".txt").read_text(encoding="utf-8").strip()
+        (target_dir / f"{stem}.txt").write_text(f"colour this black-and-white photo: {caption}\n", encoding="utf-8")
+        grey = Image.open(image).convert("L")  # read as RGB by the trainer, stored small
+        grey.save(source_dir / f"{stem}.png", optimize=True)
+        print(f"wrote {target_dir / image.name} and {source_dir / stem}.png")
+
+
 if __name__ == "__main__":
     masks(HERE / "sks_toy_masks")
     regularization(HERE / "reg_balls")
+    edit_pairs(HERE / "edit_toy", HERE / "edit_toy_sources")

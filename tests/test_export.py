@@ -61,7 +61,7 @@ def make_run(root: Path, family: str, *, rank: int, alpha: float, targets: list[
                  'eval.prompts=["a toy on a wooden table"]']
     if targets is not None:
         overrides.append(f"lora.targets={json.dumps(targets)}")
-    cfg = load_config(REPO / "presets" / f"tiny-{family}.toml", overrides)
+    cfg = load_config(REPO / "presets" / f"tiny-{family.replace('_', '-')}.toml", overrides)
     fam = get_family(family)
     model = base_model(family)
     if peft_targets is None:
@@ -217,6 +217,17 @@ def test_flux_default_export_maps_in_comfyui_with_exact_deltas(flux_run, tmp_pat
     assert all(FLUX_KEY.match(k) for k in sd), [k for k in sd if not FLUX_KEY.match(k)][:5]
     assert {v.item() for k, v in sd.items() if k.endswith(".alpha")} == {2.0}
     deltas, not_loaded = comfy_load(sd, flux_key_map(base_model("flux")))
+    assert not not_loaded, sorted(not_loaded)[:5]
+    assert_deltas_equal(deltas, trained_deltas(model))
+
+
+def test_flux_kontext_export_maps_in_comfyui_as_fluxs_with_exact_deltas(tmp_path) -> None:
+    # ComfyUI loads FLUX.1 Kontext [dev] as a FLUX model: the same key map, the same patches.
+    run, model = make_run(tmp_path, "flux_kontext", rank=4, alpha=3.0)
+    sd = tensors_of(export_run(run, out=tmp_path / "k.safetensors", dtype="fp32").path)
+    assert all(FLUX_KEY.match(k) for k in sd), [k for k in sd if not FLUX_KEY.match(k)][:5]
+    assert {v.item() for k, v in sd.items() if k.endswith(".alpha")} == {3.0}
+    deltas, not_loaded = comfy_load(sd, flux_key_map(base_model("flux_kontext")))
     assert not not_loaded, sorted(not_loaded)[:5]
     assert_deltas_equal(deltas, trained_deltas(model))
 

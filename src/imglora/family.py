@@ -16,6 +16,7 @@ else (no stubs raising ``NotImplementedError``):
 * ``Mergeable``: folding an adapter into the full-precision base (``imglora merge``).
 * ``SingleFiles``: training from the single files users have (an SDXL checkpoint, a FLUX.1
   transformer with its text encoders and VAE as files), as well as from a model folder.
+* ``EditPairs``: an edit model trained on (source, target) pairs (``control_dir``).
 
 A family loads its model from a ``ModelSource`` (``imglora.models``): a folder in its own layout,
 or single files plus a folder of configs and tokenizers.
@@ -165,6 +166,17 @@ class TextEncoderTraining(Protocol):
 class Mergeable(Protocol):
     def merge(self, run_dir: Path, cfg: "Config", out: Path, *, which: str | None, dtype: str, force: bool,
               log: Callable[[str], None]) -> Path: ...
+
+
+@runtime_checkable
+class EditPairs(Protocol):
+    """An edit model: each training image (the target) comes with its source image(s) from the
+    set's ``control_dir`` (``imglora.data.controls``); the cache stores their latents beside the
+    target's as ``control_latents`` ``[k, C, h, w]``, and the loss conditions on them. The
+    evaluation pass's prompts carry their source image too (``eval.control_images``, else the
+    data's own pairs), shown beside the results on the contact sheet."""
+
+    control_images: int  # the most source images a target takes (1; several for multi-image edit models)
 
 
 def supports(family: Any, capability: type) -> bool:

@@ -17,12 +17,15 @@ def strength_label(s: float) -> str:
 
 
 def write_outputs(folder: Path, grid: list[list[Any]], prompts: list[str], strengths: list[float],
-                   title: str, ema: list[bool] | None = None) -> tuple[list[list[Path]], Path]:
+                   title: str, ema: list[bool] | None = None,
+                   controls: list[Any] | None = None) -> tuple[list[list[Path]], Path]:
     """One file per image (``p{prompt}_s{strength}``, ``p{prompt}_ema_s{strength}`` for a column of
-    train.ema's moving average: ``ema[j]``) and the contact sheet (or answers.md for text)."""
+    train.ema's moving average: ``ema[j]``) and the contact sheet (or answers.md for text). An edit
+    model's ``controls`` (each prompt's source image) are saved as ``p{prompt}_source.png`` and shown
+    as the sheet's first column."""
     ema = ema or [False] * len(strengths)
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("p*_s*.*"):  # an earlier evaluation's, maybe with other prompts or strengths
+    for stale in [*folder.glob("p*_s*.*"), *folder.glob("p*_source.png")]:  # an earlier evaluation's, maybe with other prompts or strengths
         stale.unlink()
     paths: list[list[Path]] = []
     if isinstance(grid[0][0], str):  # a text family: answers instead of images
@@ -46,18 +49,28 @@ def write_outputs(folder: Path, grid: list[list[Any]], prompts: list[str], stren
             with atomic.atomic_path(path, suffix=".png") as tmp:
                 image.save(tmp, format="PNG")
             paths[-1].append(path)
+    for i, control in enumerate(controls or ()):
+        with atomic.atomic_path(folder / f"p{i}_source.png", suffix=".png") as tmp:
+            control.save(tmp, format="PNG")
     sheet = folder / "contact_sheet.png"
     with atomic.atomic_path(sheet, suffix=".png") as tmp:
-        contact_sheet(grid, prompts, strengths, title, ema).save(tmp, format="PNG")
+        contact_sheet(grid, prompts, strengths, title, ema, controls).save(tmp, format="PNG")
     return paths, sheet
 
 
 def contact_sheet(grid: list[list["Image.Image"]], prompts: list[str], strengths: list[float],
-                  title: str = "", ema: list[bool] | None = None) -> "Image.Image":
+                  title: str = "", ema: list[bool] | None = None,
+                  controls: list["Image.Image"] | None = None) -> "Image.Image":
     """Rows are prompts (labelled with the prompt text), columns adapter strengths (0 = the base
-    model), of the trained weights or (``ema[j]``) of their moving average."""
+    model), of the trained weights or (``ema[j]``) of their moving average; an edit model's source
+    images (``controls``, one per prompt) first."""
     ema = ema or [False] * len(strengths)
     from PIL import Image, ImageDraw
+
+    labels = ["strength 0 (base)" if s == 0 else f"{'EMA ' if e else ''}strength {strength_label(s)}"
+              for s, e in zip(strengths, ema)]
+    if controls:
+        grid, labels = [[c, *row] for c, row in zip(controls, grid)], ["source image", *labels]
 
     side = max(im.width for row in grid for im in row)
     cell = max(192, min(512, side))  # tiny images are enlarged (pixelated) so labels fit, huge ones shrunk
@@ -66,13 +79,12 @@ def contact_sheet(grid: list[list["Image.Image"]], prompts: list[str], strengths
     pad = max(4, fs // 2)
     label_w = cell
     head_h = pad + 2 * (fs + pad)
-    width = label_w + len(strengths) * (cell + pad) + pad
+    width = label_w + len(labels) * (cell + pad) + pad
     height = head_h + len(prompts) * (cell + pad) + pad
     sheet = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(sheet)
     draw.text((pad, pad), title, fill="black", font=font)
-    for j, (s, e) in enumerate(zip(strengths, ema)):
-        label = "strength 0 (base)" if s == 0 else f"{'EMA ' if e else ''}strength {strength_label(s)}"
+    for j, label in enumerate(labels):
         draw.text((label_w + j * (cell + pad), pad + fs + pad), label, fill="black", font=font)
     max_lines = max(1, cell // (fs + 3))
     for i, prompt in enumerate(prompts):

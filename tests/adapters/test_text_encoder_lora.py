@@ -30,7 +30,7 @@ TE_LR = 2e-3
 
 
 def run_cfg(family: str, small_run, *extra: str):
-    return load_config(REPO / "presets" / f"tiny-{family}.toml", [
+    return load_config(REPO / "presets" / f"tiny-{family.replace('_', '-')}.toml", [
         *small_run(), "lora.text_encoder=true", f"train.text_encoder_lr={TE_LR}", "train.max_steps=2",
         "train.checkpoint_every=1", "train.warmup_steps=0", "train.log_every=1", "lora.rank=4", "lora.alpha=6",
         *extra])

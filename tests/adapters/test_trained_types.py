@@ -52,7 +52,7 @@ def config(family: str, kind: str, small_run, *extra: str):
     overrides = [*small_run(), "train.max_steps=2", "train.checkpoint_every=1", "train.log_every=1",
                  "train.warmup_steps=0", f'lora.type="{kind}"', *OPTIONS[family],
                  *TYPE_OPTIONS.get(kind, []), *extra]
-    return load_config(REPO / "presets" / f"tiny-{family}.toml", overrides)
+    return load_config(REPO / "presets" / f"tiny-{family.replace('_', '-')}.toml", overrides)
 
 
 @dataclass

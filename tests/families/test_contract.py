@@ -28,7 +28,7 @@ def small(small_run):
 
 
 def load(family: str, overrides, *extra):
-    return load_config(REPO / "presets" / f"tiny-{family}.toml", [*overrides, *extra])
+    return load_config(REPO / "presets" / f"tiny-{family.replace('_', '-')}.toml", [*overrides, *extra])
 
 
 @pytest.mark.parametrize("name", FAMILIES)

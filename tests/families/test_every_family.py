@@ -14,8 +14,8 @@ import torch
 from imglora import config, lora, loop
 from imglora.commands.common import load_config
 from imglora.data.samples import PreparedData
-from imglora.family import (Benchable, CacheEncoder, Exportable, Family, Mergeable, Sampler, Swappable,
-                            supports)
+from imglora.family import (Benchable, CacheEncoder, EditPairs, Exportable, Family, Mergeable, Sampler,
+                            Swappable, supports)
 from imglora.families import registry
 from imglora.models import resolve_model
 
@@ -27,12 +27,19 @@ def small_config(name: str, tmp_path: Path, sample_dataset: Path) -> config.Conf
     """The family's tiny preset on two sample images (families that read images) in tmp_path."""
     data = tmp_path / "data"
     data.mkdir()
+    edits = supports(registry.get(name), EditPairs)  # an edit model: the sample edit pairs' targets and sources
+    source = sample_dataset.parent / "edit_toy" if edits else sample_dataset
+    extra = []
     for stem in ("01_sky", "03_table"):
-        for f in sample_dataset.glob(f"{stem}.*"):
+        for f in source.glob(f"{stem}.*"):
             shutil.copy(f, data / f.name)
-    return load_config(REPO / "presets" / f"tiny-{name}.toml", [
+        if edits:
+            (tmp_path / "sources").mkdir(exist_ok=True)
+            shutil.copy(source.parent / "edit_toy_sources" / f"{stem}.png", tmp_path / "sources" / f"{stem}.png")
+            extra = [f"data.control_dir={json.dumps(str(tmp_path / 'sources'))}"]
+    return load_config(REPO / "presets" / f"tiny-{name.replace('_', '-')}.toml", [
         f"data.dir={json.dumps(str(data))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
-        f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=2", "train.warmup_steps=0"])
+        f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=2", "train.warmup_steps=0", *extra])
 
 
 @pytest.fixture(params=NAMES)

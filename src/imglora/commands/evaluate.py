@@ -295,7 +295,8 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
             title = (f"{run_dir.name} - step {step} - {label} {_fmt(lo[kind])} "
                      f"(base model {_fmt(result.base_loss[kind])})")
             result.images[step], result.sheets[step] = sheets.write_outputs(
-                folder, grid, prompts, [s for _, s in columns], title, [k == "ema" for k, _ in columns])
+                folder, grid, prompts, [s for _, s in columns], title, [k == "ema" for k, _ in columns],
+                [e["control_image"] for e in encoded] if encoded and isinstance(encoded[0], dict) and "control_image" in encoded[0] else None)
             out(f"  step {step}: held-out loss {_fmt(lo['heldout'])}, training-image loss {_fmt(lo['train'])}; "
                 f"{len(prompts) * len(columns)} samples, sheet {result.sheets[step]}")
             if tracked:

@@ -5,12 +5,12 @@ from ..errors import ConfigError
 from .loader import FamilyCatalog, from_dict, load, moved_keys, parse_override_value
 from .schema import (REQUIRED, SCHEMA_VERSION, SECTIONS, BudgetConfig, CacheConfig, Config, DataConfig, DType,
                      DataSetConfig, EvalConfig, ExportConfig, LoraConfig, MemoryConfig, ModelConfig, RunConfig,
-                     TrainConfig, field_help, resume_safe_keys, set_names, setting)
+                     TrainConfig, field_help, resume_safe_keys, setting)
 from .toml_io import dumps_toml
 
 __all__ = [
     "REQUIRED", "SCHEMA_VERSION", "SECTIONS", "BudgetConfig", "CacheConfig", "Config", "ConfigError", "DType", "DataConfig",
-    "DataSetConfig", "set_names",
+    "DataSetConfig",
     "EvalConfig", "ExportConfig", "FamilyCatalog", "LoraConfig", "MemoryConfig", "ModelConfig", "RunConfig",
     "TrainConfig", "dumps_toml", "field_help", "from_dict", "load", "moved_keys", "parse_override_value",
     "resume_safe_keys", "setting",

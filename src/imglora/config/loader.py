@@ -223,8 +223,8 @@ def moved_keys(families: FamilyCatalog) -> dict[str, str]:
     sections += [(name, cls) for name in families.names() if (cls := families.section(name)) is not None]
     for name, cls in sections:
         for f in dataclasses.fields(cls):
-            if f.metadata.get("moved_from"):
-                out[f.metadata["moved_from"]] = f"{name}.{f.name}"
+            if f.metadata.get("moved_from"):  # the first family that has the key (one built on another's
+                out.setdefault(f.metadata["moved_from"], f"{name}.{f.name}")  # section shares it): its own
     return out
 
 

@@ -83,6 +83,7 @@ class DataSetConfig:
         "random_crop": "crop (\"random\")", "caption_dropout_rate": "caption_dropout",
         "shuffle_caption": "shuffle_tags", "shuffle_tokens": "shuffle_tags", "caption_tag_dropout_rate": "tag_dropout",
         "token_dropout_rate": "tag_dropout", "conditioning_data_dir": "mask_dir", "mask_path": "mask_dir",
+        "control_path": "control_dir", "control_directory": "control_dir", "conditioning_dir": "control_dir",
     }
 
     name: str = setting("", help="The set's name in messages and the run record; empty = its folder's name.",
@@ -132,6 +133,10 @@ class DataSetConfig:
                                      "is weighted per latent pixel. Empty = no masks.", resume_safe=True)
     alpha_mask: bool = setting(False, help="Use each image's alpha channel as its loss mask (transparent = ignore, "
                                            "opaque = train), as kohya's alpha_mask.")
+    control_dir: str = setting("", help="Edit-model families: the folder of source (control) images, one per "
+                                        "training image with its file stem (<stem>_1, <stem>_2, ... for more where the "
+                                        "family takes several); each is fitted to its target's bucket and cached "
+                                        "with its latents. Empty = none.", resume_safe=True)
 
 
 @dataclass(frozen=True)
@@ -164,18 +169,6 @@ class DataConfig(DataSetConfig):
 
     def first_training_set(self) -> DataSetConfig:
         return next((s for s in self.all_sets if not s.regularization), self.all_sets[0])
-
-
-def set_names(data: DataConfig) -> list[str]:
-    """Each set's name: its own, else its folder's; a repeated name gets " #2", " #3"."""
-    names: list[str] = []
-    for i, s in enumerate(data.all_sets):
-        base = s.name or Path(s.dir).name or f"set {i + 1}"
-        name, n = base, 2
-        while name in names:
-            name, n = f"{base} #{n}", n + 1
-        names.append(name)
-    return names
 
 
 @dataclass(frozen=True)
@@ -342,6 +335,9 @@ class MemoryConfig:
 class EvalConfig:
     prompts: list[str] = setting([], help="Prompts for the evaluation pass; empty = a few defaults with the "
                                           "trigger word.", resume_safe=True)
+    control_images: list[str] = setting([], help="Edit-model families: the source image of each of eval.prompts "
+                                                 "(one for all, or one per prompt); empty = the data's own pairs.",
+                                         resume_safe=True)
     sample_steps: int = setting(20, help="Sampler steps per evaluation image.", min=1, max=1000, resume_safe=True)
     guidance_scale: float = setting(0.0, help="Guidance at evaluation; 0 = the family's default.", min=0.0,
                                     max=100.0, resume_safe=True)

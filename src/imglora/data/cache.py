@@ -3,6 +3,7 @@
 Each entry is one safetensors file named by the sha256 of everything that determines its content:
 - latents: the image's bytes, its bucket, the crop (mode and, for random crops, the seed that
   fixes the offset), the flip, its loss mask (the mask file's bytes, or the alpha channel's use),
+  for edit pairs its source images' bytes (encoded in the same entry as ``control_latents``),
   the VAE's identity (checksum of its weights and config) and dtype; the mask, resized and
   cropped with the image, is stored in the entry beside the latents;
 - text: the exact text, the text encoders' and tokenizers' identity, the token length, dtype. Each
@@ -145,6 +146,8 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
         crop_seed = int(sha[:8], 16) ^ cfg.train.seed if s.crop == "random" else 0
         # Only present when there is a mask, so entries without one keep the keys they had.
         mask = {"mask": sha256_file(item.mask)} if item.mask else {"mask": "alpha"} if s.alpha_mask else {}
+        if item.controls:  # edit pairs: the source images' bytes (and order) key the entry too
+            mask["controls"] = [sha256_file(c) for c in item.controls]
         for flip in ((False, True) if s.flip else (False,)):
             key = _key({"kind": "latents", "family": family.name, "image": sha, "bucket": list(item.bucket),
                         "crop": s.crop, "crop_seed": crop_seed, "flip": flip, "vae": vae_id,
@@ -249,9 +252,22 @@ def encode_latent(family: "Family", vae: Any, spec: LatentSpec) -> dict[str, "to
     out = family.encode_image(vae, pixels)
     if fit.mask is not None:  # weights per latent pixel, stored with the latents they weight
         out["loss_mask"] = latent_mask(fit.mask, tuple(out["latents"].shape[-2:]))
+    if spec.item.controls:  # edit pairs: each source fitted to the target's bucket (same crop and flip)
+        out["control_latents"] = torch.stack([_control(family, vae, spec, c) for c in spec.item.controls])
     # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
     out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
     return out
+
+
+def _control(family: "Family", vae: Any, spec: LatentSpec, path: Path) -> "torch.Tensor":
+    import numpy as np
+    import torch
+
+    fit = fit_to_bucket(open_image(path), spec.item.bucket, crop=spec.crop, seed=spec.crop_seed)
+    if spec.flip:
+        fit = fit.flipped()
+    pixels = torch.from_numpy(np.asarray(fit.image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
+    return family.encode_image(vae, pixels)["latents"]
 
 
 def _data_dirs(cfg: "Config") -> str:

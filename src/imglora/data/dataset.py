@@ -43,6 +43,7 @@ class DatasetItem:
     bucket: tuple[int, int]  # (width, height)
     set_index: int = 0  # which of data.all_sets it belongs to
     mask: Path | None = None  # its loss mask image (data.sets[].mask_dir), if any
+    controls: tuple[Path, ...] = ()  # its source images (data.sets[].control_dir), edit-model families
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import set_names
 from ..config.checks import bucket_checks, holdout_checks
 from ..errors import ConfigError, DataError
 from .batches import reg_per_epoch
 from .captions import keep_tokens_warning
 from .dataset import DatasetItem, ScanResult, _first, dataset_version, scan_dataset
+from .controls import attach_controls, unpaired
 from .masks import attach_masks, check_alpha
 
 if TYPE_CHECKING:
@@ -43,13 +43,33 @@ def scan(cfg: "Config", family: "Family") -> ScanResult:
         warnings += [label + w for w in found.warnings]
     if problems:
         raise DataError(problems)
-    if not cfg.eval.holdout_dir:
-        return scan_result(tuple(items), tuple(warnings))
-    first = next(i for i, s in enumerate(sets) if not s.regularization)  # scored as this set's images
-    extra = _scan(cfg, family, replace(sets[first], dir=cfg.eval.holdout_dir, repeats=1, mask_dir="",
-                                       alpha_mask=False))
-    held = tuple(replace(i, set_index=first) for i in extra.items)
-    return scan_result(tuple(items) + held, tuple(warnings) + extra.warnings)
+    held: tuple[DatasetItem, ...] = ()
+    if cfg.eval.holdout_dir:
+        first = next(i for i, s in enumerate(sets) if not s.regularization)  # scored as this set's images
+        extra = _scan(cfg, family, replace(sets[first], dir=cfg.eval.holdout_dir, repeats=1, mask_dir="",
+                                           alpha_mask=False))
+        held = tuple(replace(i, set_index=first) for i in extra.items)
+        warnings += extra.warnings
+        if sets[first].control_dir:  # a held-out target's source is looked up as a training image's
+            held = tuple(attach_controls(list(held), Path(cfg.eval.holdout_dir), Path(sets[first].control_dir),
+                                         "eval.holdout_dir's control_dir", _controls(family), problems))
+    folders: dict[str, int] = {}
+    for i, s in enumerate(sets):
+        if s.control_dir:
+            folders.setdefault(s.control_dir, i)
+    for folder, index in folders.items():  # each folder once, checked against every set's pairs
+        key = f"data.sets[{index}].control_dir" if d.sets else "data.control_dir"
+        problem = unpaired(Path(folder), key, [*items, *held], _controls(family))
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise DataError(problems)
+    return scan_result(tuple(items) + held, tuple(warnings))
+
+
+def _controls(family: "Family") -> int:
+    """How many source images per target the family takes (0: not an edit family)."""
+    return getattr(family, "control_images", 0)
 
 
 def _scan(cfg: "Config", family: "Family", s: "DataSetConfig", **kw: Any) -> ScanResult:
@@ -82,6 +102,9 @@ def _scan_set(cfg: "Config", family: "Family", s: "DataSetConfig", index: int) -
         items = attach_masks(items, Path(s.dir), Path(s.mask_dir), key("mask_dir"), problems, warnings)
     if s.alpha_mask:
         check_alpha(items, problems, warnings)
+    if s.control_dir:
+        items = attach_controls(items, Path(s.dir), Path(s.control_dir), key("control_dir"), _controls(family),
+                                problems)
     if problems:
         raise DataError(problems)
     note = keep_tokens_warning(items, s)
@@ -118,6 +141,18 @@ def set_records(cfg: "Config", items: tuple[DatasetItem, ...]) -> list[dict[str,
                     (len(mine) if s.alpha_mask else 0),
                     "version": dataset_version(mine) if mine else None})
     return out
+
+
+def set_names(data: "Any") -> list[str]:
+    """Each set's name: its own, else its folder's; a repeated name gets " #2", " #3"."""
+    names: list[str] = []
+    for i, s in enumerate(data.all_sets):
+        base = s.name or Path(s.dir).name or f"set {i + 1}"
+        name, n = base, 2
+        while name in names:
+            name, n = f"{base} #{n}", n + 1
+        names.append(name)
+    return names
 
 
 def scan_result(items: tuple[DatasetItem, ...], warnings: tuple[str, ...]) -> ScanResult:

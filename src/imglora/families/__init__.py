@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..family import Family, Swappable, TextEncoderTraining, supports
+from ..family import EditPairs, Family, Swappable, TextEncoderTraining, supports
 from .flux import FluxFamily
+from .flux_kontext import FluxKontextFamily
 from .llm import LlmFamily
 from .sdxl import SdxlFamily
 
-FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "llm": LlmFamily}
+FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
+                             "llm": LlmFamily}
 
 
 class Registry:
@@ -47,8 +49,8 @@ class Registry:
         for key, n in (("memory.blocks_to_swap", cfg.memory.blocks_to_swap), ("eval.blocks_to_swap",
                                                                             cfg.eval.blocks_to_swap)):
             if n > 0 and not supports(family, Swappable):
-                problems.append(f"{where(key)}: block swapping is implemented for the "
-                                f"{', '.join(self.supporting(Swappable))} family only; set it to 0 for {name}")
+                problems.append(f"{where(key)}: block swapping is implemented for {_the(self.supporting(Swappable))} "
+                                f"only; set it to 0 for {name}")
         q = cfg.memory.quantization
         if q != "none" and q not in family.quantizations:
             able = [n for n in FAMILIES if FAMILIES[n].quantizations]
@@ -57,6 +59,18 @@ class Registry:
         if cfg.lora.text_encoder and not supports(family, TextEncoderTraining):
             problems.append(f"{where('lora.text_encoder')}: text-encoder training is implemented for the "
                             f"{', '.join(self.supporting(TextEncoderTraining))} families; set it to false for {name}")
+        for i, s in enumerate(cfg.data.all_sets):
+            key = f"data.sets[{i}].control_dir" if cfg.data.sets else "data.control_dir"
+            if s.control_dir and not supports(family, EditPairs):
+                problems.append(f"{where(key)}: source images are for the edit-model families "
+                                f"({', '.join(self.supporting(EditPairs))}); the {name} family trains on images "
+                                "alone: remove it")
+            elif not s.control_dir and supports(family, EditPairs):
+                problems.append(f"{where(key)}: missing required key for the {name} family (an edit model): the "
+                                "folder of source images, one per training image with its file name")
+        if cfg.eval.control_images and not supports(family, EditPairs):
+            problems.append(f"{where('eval.control_images')}: source images are for the edit-model families "
+                            f"({', '.join(self.supporting(EditPairs))}); remove it for {name}")
         if cfg.train.text_encoder_lr and not cfg.lora.text_encoder:
             problems.append(f"{where('train.text_encoder_lr')}: applies with lora.text_encoder = true only")
         if cfg.lora.type not in family.adapter_types:
@@ -70,6 +84,13 @@ class Registry:
 
 
 registry = Registry()
+
+
+def _the(names: list[str]) -> str:
+    """"the flux family", "the flux and flux_kontext families"."""
+    if len(names) == 1:
+        return f"the {names[0]} family"
+    return f"the {', '.join(names[:-1])} and {names[-1]} families"
 
 
 def get_family(name: str) -> Family:

@@ -201,15 +201,63 @@ def default_prompts(family: Any, cfg: "Config", n: int = 2) -> list[str]:
     sets = cfg.data.all_sets
     train_items = [i for i in train.items if not sets[i.set_index].regularization]
     captions = list(dict.fromkeys(i.caption for i in (*held.items, *train_items)))
-    trigger = cfg.data.first_training_set().trigger_word.strip() or _shared_first_tag([i.caption for i in train_items])
+    trigger = _trigger(cfg, train_items)
     prompts: list[str] = []
     for caption in captions[:n]:
         prompts.append(caption)
-        if trigger:
-            without = re.sub(rf"(?<!\w){re.escape(trigger)}(?!\w)\s*,?\s*", "", caption).strip(" ,")
-            if without and without != caption:
-                prompts.append(without)
+        without = _without_trigger(caption, trigger)
+        if without and without != caption:
+            prompts.append(without)
     return prompts or ([trigger] if trigger else ["a photo"])
+
+
+def _trigger(cfg: "Config", train_items: list[Any]) -> str:
+    return cfg.data.first_training_set().trigger_word.strip() or _shared_first_tag([i.caption for i in train_items])
+
+
+def _without_trigger(caption: str, trigger: str) -> str:
+    if not trigger:
+        return caption
+    return re.sub(rf"(?<!\w){re.escape(trigger)}(?!\w)\s*,?\s*", "", caption).strip(" ,")
+
+
+def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image.Image"]:
+    """An edit model's source image for each evaluation prompt, fitted (center crop) to the sample
+    size: ``eval.control_images`` (one for every prompt, or one per prompt), else the source of the
+    training or held-out image whose caption the prompt is (with or without the trigger word, as
+    default_prompts makes them)."""
+    from ..data.buckets import fit_to_bucket
+    from ..data.images import BadImageError, open_image
+    from ..data.scan import scan
+
+    given = [Path(p) for p in cfg.eval.control_images]
+    if given:
+        if len(given) not in (1, len(prompts)):
+            raise ImgloraError(f"eval.control_images has {len(given)} images for {len(prompts)} prompts; give one "
+                               "source image for all prompts or one per prompt, in the prompts' order")
+        paths = given * len(prompts) if len(given) == 1 else given
+    else:
+        items = scan(cfg, family).items
+        trigger = _trigger(cfg, [i for i in items if not cfg.data.all_sets[i.set_index].regularization])
+        by_caption: dict[str, Path] = {}
+        for item in items:
+            for text in (item.caption, _without_trigger(item.caption, trigger)):
+                by_caption.setdefault(text, item.controls[0])
+        missing = [p for p in prompts if p not in by_caption]
+        if missing:
+            raise ImgloraError(f"{len(missing)} evaluation prompt(s) are no training image's caption, so they have no "
+                               f"source image: {missing[0]!r}; an edit model edits an image: set eval.control_images "
+                               "(one image for all prompts, or one per prompt)")
+        paths = [by_caption[p] for p in prompts]
+    size = sample_size(cfg, family)
+    out = []
+    for path in paths:
+        try:
+            out.append(fit_to_bucket(open_image(path), (size, size)).image)
+        except (BadImageError, FileNotFoundError, OSError) as exc:
+            raise ImgloraError(f"{path}: cannot read this source image of eval.control_images ({exc}); give a "
+                               "png, jpg or webp file") from None
+    return out
 
 
 def _shared_first_tag(captions: list[str]) -> str:
@@ -241,9 +289,12 @@ def sample_size(cfg: "Config", family: Any) -> int:
 
 def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, cfg: "Config", device: torch.device,
                       dtype: torch.dtype, default_guidance: float,
-                      scheduler_overrides: dict[str, Any] | None = None) -> Callable[..., Any]:
+                      scheduler_overrides: dict[str, Any] | None = None,
+                      source_kwargs: Callable[["Image.Image"], dict[str, Any]] | None = None) -> Callable[..., Any]:
     """A sampler over the family's diffusers pipeline built around the trained (LoRA-injected)
-    denoiser, without text encoders: prompts arrive as embeddings (see encode_prompts)."""
+    denoiser, without text encoders: prompts arrive as embeddings (see encode_prompts). An edit
+    model's prompt carries its source image (``control_image``); ``source_kwargs`` turns it into
+    the pipeline's arguments."""
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()  # imglora prints its own progress
@@ -261,6 +312,8 @@ def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, c
     @torch.no_grad()
     def sample(embeds: dict[str, torch.Tensor], seed: int) -> "Image.Image":
         kwargs = {k: embeds[k][None].to(device, model.dtype) for k in ("prompt_embeds", "pooled_prompt_embeds")}
+        if source_kwargs is not None:
+            kwargs |= source_kwargs(embeds["control_image"])
         # A CPU generator: the same image on any device for the same seed (diffusers draws there).
         return pipe(**kwargs, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
                     generator=torch.Generator("cpu").manual_seed(seed)).images[0]

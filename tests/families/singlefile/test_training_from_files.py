@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def preset(name: str, tmp_path: Path, sample_dataset: Path, *extra: str):
-    return load_config(REPO / "presets" / f"tiny-{name}.toml", [
+    return load_config(REPO / "presets" / f"tiny-{name.replace('_', '-')}.toml", [
         f"data.dir={json.dumps(str(sample_dataset))}", f"cache.dir={json.dumps(str(tmp_path / 'cache'))}",
         f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=4", "train.warmup_steps=0",
         "train.log_every=1", "train.checkpoint_every=0", *extra])

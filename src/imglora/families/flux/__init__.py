@@ -54,6 +54,7 @@ class FluxFamily:
     text_encoder_scope = common.CLIP_SCOPE
     frozen_text_outputs = ("prompt_embeds",)
     pipeline = "FluxPipeline"  # diffusers pipeline class (adapter save/load layout, sampling)
+    trainable = model.FluxTrainable  # the loss (a model on this transformer may condition it further)
     denoiser = "transformer"  # its subfolder and the adapter keys' prefix
 
     # Shared with the other diffusers image family (see diffusers_image).
@@ -139,7 +140,7 @@ class FluxFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        trainable = model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+        trainable = model.load_trainable(src, cfg, device, dtype, self.quantize_exclude, self.trainable)
         if cfg.lora.text_encoder:  # CLIP-L only: frozen here, the adapter comes with the transformer's
             trainable.text_encoders = {"text_encoder": self.load_clip(src, dtype).requires_grad_(False)}
         return trainable
@@ -155,10 +156,10 @@ class FluxFamily:
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
+        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap, self.trainable)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
-        return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
+        return model.meta_trainable(src.root if src is not None else None, cfg, dtype, self.trainable)
 
     def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
         return model.synthetic_batch(trainable, resolution, cfg, device)

@@ -16,14 +16,14 @@ SAMPLING = Sampling(1024, 1024, steps=20, cfg=1.0, sampler="euler", scheduler="s
 
 
 def nodes(lora_name: str, prompt: str, negative: str, seed: int, prefix: str, with_clip: bool = False,
-          model: Any = None) -> list[Node]:
+          model: Any = None, default_unet: str = UNET) -> list[Node]:
     """FLUX.1-dev as split files: the very files the run trained on when it was given files
     (``model``, the preset's [model] section), else the usual names. The LoRA patches only the model
     (LoraLoaderModelOnly) unless it also holds CLIP-L weights. At cfg 1 the negative is never
     evaluated, but KSampler needs one."""
     s = SAMPLING
     comfy = getattr(model, "comfyui", "")
-    unet = file_name(getattr(model, "path", ""), comfy, UNET)
+    unet = file_name(getattr(model, "path", ""), comfy, default_unet)
     clip_l = file_name(getattr(model, "text_encoder", ""), comfy, CLIP_L)
     t5 = file_name(getattr(model, "text_encoder_2", ""), comfy, T5)
     vae = file_name(getattr(model, "vae", ""), comfy, VAE)

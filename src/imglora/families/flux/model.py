@@ -19,20 +19,20 @@ if TYPE_CHECKING:
 
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
-                   quantize_exclude: tuple[str, ...]) -> "FluxTrainable":
+                   quantize_exclude: tuple[str, ...], cls: type | None = None) -> "FluxTrainable":
 
     # Streamed from a file or a folder alike: each block quantized and placed as it is read.
     swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    trainable = FluxTrainable(transformer, cfg.family)
+    trainable = (cls or FluxTrainable)(transformer, cfg.family)
     trainable.facts.update(facts)
     return trainable
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
-                   blocks_to_swap: int | None = None) -> "FluxTrainable":
+                   blocks_to_swap: int | None = None, cls: type | None = None) -> "FluxTrainable":
     """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks.
 
     On CUDA the weights are made on the GPU block by block, each block quantized there with
@@ -53,7 +53,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
         transformer = random_init(transformer, dtype)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    trainable = FluxTrainable(transformer, cfg.family)
+    trainable = (cls or FluxTrainable)(transformer, cfg.family)
     if facts:
         trainable.facts["full_build"] = facts
     return trainable
@@ -135,6 +135,11 @@ class FluxTrainable:
         """CLIP-L's pooled output for the batch's tokens, as FluxFamily.encode_text (differentiable)."""
         return {"pooled_prompt_embeds": self.text_encoders["text_encoder"](batch["input_ids"]).pooler_output}
 
+    def reference_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Packed tokens and their position ids that condition the prediction without being denoised
+        (none for FLUX.1; an edit model's source image)."""
+        return None
+
     def loss(self, batch: dict[str, torch.Tensor], generator: Any) -> torch.Tensor:
         if self.text_encoders:
             batch = {**batch, **self.encode_text(batch)}
@@ -147,16 +152,20 @@ class FluxTrainable:
         noisy = (1 - s) * x0 + s * noise
         dtype = self.model.dtype
         text = batch["prompt_embeds"]
+        tokens, ids = noisy.to(dtype), image_ids(h, w, device)
+        reference = self.reference_tokens(batch)
+        if reference is not None:  # e.g. FLUX.1 Kontext's source image: more tokens after the noisy ones
+            tokens, ids = torch.cat([tokens, reference[0].to(dtype)], 1), torch.cat([ids, reference[1]])
         pred = self.model(
-            hidden_states=noisy.to(dtype),
+            hidden_states=tokens,
             timestep=sigma.to(dtype),  # the transformer multiplies by 1000 itself
             guidance=None if self.guidance is None else torch.full((n,), self.guidance, device=device, dtype=dtype),
             pooled_projections=batch["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=text.to(dtype),
             txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
-            img_ids=image_ids(h, w, device).to(dtype),
+            img_ids=ids.to(dtype),
             return_dict=False,
-        )[0]
+        )[0][:, :x0.shape[1]]  # the prediction for the noisy tokens only
         mask = batch.get("loss_mask")
         if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
             mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
@@ -168,7 +177,7 @@ class FluxTrainable:
         return weighting.batch_loss(per_item, batch)
 
 
-def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "FluxTrainable":
+def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type | None = None) -> "FluxTrainable":
     """The transformer of ``root`` (a model or config folder; None: FLUX.1-dev's shipped config) on
     the meta device, frozen, with the preset's gradient checkpointing: for ``imglora plan``."""
     from diffusers import FluxTransformer2DModel
@@ -181,7 +190,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "FluxTr
     transformer.requires_grad_(False)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    trainable = FluxTrainable(transformer, cfg.family)
+    trainable = (cls or FluxTrainable)(transformer, cfg.family)
     if cfg.lora.text_encoder:
         from .. import diffusers_image
         from . import FluxFamily

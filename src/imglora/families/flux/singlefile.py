@@ -210,11 +210,13 @@ PARTS = {
 }
 
 
-def resolve_files(model: Any, find: Any) -> Any:
+def resolve_files(model: Any, find: Any, overlay: Path | None = None) -> Any:
     """The transformer file (``model.path``, in ComfyUI's diffusion_models folder, or a full
     checkpoint), its text encoders and VAE (``model.text_encoder``, ``model.text_encoder_2``,
     ``model.vae``; parts a full checkpoint holds may be left out), and the folder of FLUX.1-dev's or
-    -schnell's configs (as the file says) with CLIP's and T5's tokenizers."""
+    -schnell's configs (as the file says) with CLIP's and T5's tokenizers. ``overlay``: configs of a
+    model built on FLUX.1-dev's transformer (FLUX.1 Kontext), named as that folder; its file must be
+    a dev (guidance-distilled) one."""
     from ...source import ModelSource
     from ..singlefile.configdir import assemble, find_tokenizer, override
 
@@ -239,8 +241,12 @@ def resolve_files(model: Any, find: Any) -> Any:
     clip, _ = find_tokenizer("clip", CLIP_TOKENIZER, model.comfyui, "FLUX's CLIP-L")
     t5, _ = find_tokenizer("t5", T5_TOKENIZER, model.comfyui, "FLUX's T5")
     variant = f"flux1-{layout.variant}"  # dev (guidance-distilled) or schnell, as the file says
-    root = assemble(variant, CONFIGS / variant, {"tokenizer": clip, "tokenizer_2": t5},
-                    {"tokenizer": {"model_max_length": 77}})
+    if overlay is not None and layout.variant != "dev":
+        raise ModelSourceError(f"{path} is a FLUX.1-{layout.variant} transformer (no guidance embedding); "
+                               f"{overlay.name} is built on FLUX.1-dev: give its own file "
+                               f"(e.g. {overlay.name}.safetensors)")
+    root = assemble(overlay.name if overlay else variant, CONFIGS / variant, {"tokenizer": clip, "tokenizer_2": t5},
+                    {"tokenizer": {"model_max_length": 77}}, overlay)
     return ModelSource(root, files)
 
 

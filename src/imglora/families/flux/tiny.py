@@ -8,7 +8,8 @@ from ...tiny import save_model, seeded
 from .. import tiny_parts as tp
 
 
-def build(dest: Path, seed: int) -> None:
+def build(dest: Path, seed: int, pipeline: str = "FluxPipeline") -> None:
+    """``pipeline``: the model_index's class (a model on FLUX.1-dev's transformer, e.g. FLUX.1 Kontext)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
@@ -37,7 +38,7 @@ def build(dest: Path, seed: int) -> None:
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     ).save_pretrained(dest / "scheduler")
-    tp.write_model_index(dest, "FluxPipeline", {
+    tp.write_model_index(dest, pipeline, {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
         "text_encoder": ("transformers", "CLIPTextModel"),
         "text_encoder_2": ("transformers", "T5EncoderModel"),

@@ -55,12 +55,15 @@ def find_tokenizer(kind: str, hub: list[tuple[str, str]], comfyui: str, what: st
         "ComfyUI folder (it ships them), or model.config to a diffusers folder of the model")
 
 
-def assemble(name: str, shipped: Path, tokenizers: dict[str, Path], patches: dict[str, dict[str, Any]]) -> Path:
+def assemble(name: str, shipped: Path, tokenizers: dict[str, Path], patches: dict[str, dict[str, Any]],
+             overlay: Path | None = None) -> Path:
     """``shipped`` configs plus each tokenizer folder copied to its subfolder, with ``patches`` merged
     into that subfolder's tokenizer_config.json and special_tokens_map.json (e.g. ComfyUI's CLIP says
-    model_max_length 8192 where the pipeline's says 77)."""
+    model_max_length 8192 where the pipeline's says 77). ``overlay``: a folder of configs that replace
+    shipped ones (a model that differs from another only there, e.g. its model_index.json)."""
     h = hashlib.sha256(json.dumps(patches, sort_keys=True).encode())
-    for label, folder in sorted([("configs", shipped), *tokenizers.items()]):
+    extra = [("overlay", overlay)] if overlay is not None else []
+    for label, folder in sorted([("configs", shipped), *tokenizers.items(), *extra]):
         for f in sorted(p for p in folder.rglob("*") if p.is_file()):
             h.update(f"{label}/{f.relative_to(folder)}\n".encode())
             h.update(f.read_bytes())
@@ -69,6 +72,8 @@ def assemble(name: str, shipped: Path, tokenizers: dict[str, Path], patches: dic
         return dest
     with atomic_dir(dest) as tmp:
         shutil.copytree(shipped, tmp, dirs_exist_ok=True)
+        if overlay is not None:
+            shutil.copytree(overlay, tmp, dirs_exist_ok=True)
         for sub, folder in tokenizers.items():
             shutil.copytree(folder, tmp / sub, dirs_exist_ok=True)
             for fname in ("tokenizer_config.json", "special_tokens_map.json"):
