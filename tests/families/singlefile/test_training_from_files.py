@@ -249,3 +249,47 @@ def test_the_export_names_the_checkpoint_and_its_workflow_loads_it(tmp_path: Pat
         assert meta["ss_sd_model_hash"] == hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
     api = json.loads(res.workflow_api.read_text())
     assert api["1"]["inputs"]["ckpt_name"] == "ponyish_v6.safetensors"  # the file trained on, by its ComfyUI name
+
+
+def kontext_preset(tmp_path: Path, *extra: str):
+    """tiny-flux-kontext on two of the sample edit pairs."""
+    edits = REPO / "sample_datasets"
+    return preset("flux_kontext", tmp_path, edits / "edit_toy", f"data.control_dir={q(edits / 'edit_toy_sources')}",
+                  *extra)
+
+
+def test_flux_kontext_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_path: Path, monkeypatch) -> None:
+    """flux1-kontext-dev.safetensors (BFL's layout, like FLUX.1-dev's) with clip_l, t5xxl and ae found
+    by bare name in a ComfyUI folder; without model.config the shipped Kontext configs are used."""
+    from imglora.families.singlefile import configdir
+
+    tiny = ensure_tiny(registry.get("flux_kontext"))
+    d = tmp_path / "files"
+    files = {"models/diffusion_models/flux1-kontext-dev.safetensors": write_bfl_flux(tiny, d / "k.safetensors"),
+             "models/text_encoders/clip_l.safetensors": write_clip_l(tiny, d / "clip_l.safetensors"),
+             "models/text_encoders/t5xxl_fp32.safetensors": write_t5xxl(tiny, d / "t5.safetensors",
+                                                                       dtype=torch.float32),
+             "models/vae/ae.safetensors": write_flux_ae(tiny, d / "ae.safetensors")}
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", files)
+    names = [f"model.comfyui={q(comfy)}", 'model.path="flux1-kontext-dev.safetensors"',
+             'model.text_encoder="clip_l.safetensors"', 'model.text_encoder_2="t5xxl_fp32.safetensors"',
+             'model.vae="ae.safetensors"']
+    kontext = registry.get("flux_kontext")
+    monkeypatch.setattr(configdir, "hub_snapshot", lambda repo: None)  # an empty Hugging Face cache
+    monkeypatch.setenv("IMGLORA_HOME", str(tmp_path / "home"))
+    shipped = resolve_model(kontext_preset(tmp_path, *names).model, kontext)
+    assert json.loads((shipped.root / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    t = json.loads((shipped.root / "transformer" / "config.json").read_text())
+    assert (t["num_layers"], t["num_single_layers"], t["guidance_embeds"]) == (19, 38, True)  # FLUX.1-dev's
+    schnell = {k: v for k, v in load_file(str(d / "k.safetensors")).items() if not k.startswith("guidance_in.")}
+    from safetensors.torch import save_file
+
+    save_file(schnell, comfy / "models" / "diffusion_models" / "schnell.safetensors")
+    with pytest.raises(ModelSourceError, match=r"schnell.safetensors is a FLUX.1-schnell transformer .*"
+                                               r"flux1-kontext-dev is built on FLUX.1-dev"):
+        resolve_model(kontext_preset(tmp_path, *names).replace(model={"path": "schnell.safetensors"}).model, kontext)
+
+    folder = trained(kontext_preset(tmp_path, "run.name=folder", "train.max_steps=2"))
+    from_files = trained(kontext_preset(tmp_path, "run.name=files", "train.max_steps=2", *names,
+                                        f"model.config={q(tiny)}"))
+    assert_same_run(from_files, folder)
