@@ -25,8 +25,8 @@ def write_outputs(folder: Path, grid: list[list[Any]], prompts: list[str], stren
     as the sheet's first column."""
     ema = ema or [False] * len(strengths)
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in [*folder.glob("p*_s*.*"), *folder.glob("p*_source.png")]:  # an earlier evaluation's, maybe with other prompts or strengths
-        stale.unlink()
+    for stale in set(folder.glob("p*_s*.*")):  # an earlier evaluation's (p*_source.png too), maybe other prompts
+        stale.unlink(missing_ok=True)
     paths: list[list[Path]] = []
     if isinstance(grid[0][0], str):  # a text family: answers instead of images
         for i, row in enumerate(grid):

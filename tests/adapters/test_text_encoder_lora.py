@@ -139,7 +139,7 @@ def test_text_encoder_run_resumes_bit_for_bit(small_run) -> None:
 
 
 def test_text_encoder_settings_are_checked() -> None:
-    with pytest.raises(ConfigError, match="text-encoder training is implemented for the sdxl, flux families"):
+    with pytest.raises(ConfigError, match="text-encoder training is implemented for the sdxl, flux and flux_kontext families"):
         load_config(REPO / "presets" / "tiny-llm.toml", ["lora.text_encoder=true"])
     with pytest.raises(ConfigError, match="train.text_encoder_lr: applies with lora.text_encoder = true only"):
         load_config(REPO / "presets" / "tiny-sdxl.toml", ["train.text_encoder_lr=1e-4"])

@@ -121,11 +121,20 @@ def test_pairs_are_checked_and_the_source_keys_the_cache(tmp_path: Path) -> None
     cfg = preset(tmp_path, data, sources)
     family = registry.get("flux_kontext")
     src = resolve_model(cfg.model.path, family)
+    (sources / "._01_sky.png").write_bytes(b"macOS metadata")  # hidden files are no sources, as no images
     first = cache.plan(cfg, family, src, "cpu")
     assert [s.item.controls for s in first.latents] == [(sources / "01_sky.png",), (sources / "03_table.png",)]
+    version = family.data_version(cfg)
     Image.open(sources / "01_sky.png").rotate(90).save(sources / "01_sky.png")  # another source, same name
     second = cache.plan(cfg, family, src, "cpu")
     assert first.latents[0].key != second.latents[0].key and first.latents[1].key == second.latents[1].key
+    assert family.data_version(cfg) != version  # so --resume refuses to go on with other pairs
+    Image.open(sources / "01_sky.png").resize((64, 128)).save(sources / "01_sky.png")
+    assert not any("aspect ratio" in w for w in second.scan.warnings)
+    warnings = cache.plan(cfg, family, src, "cpu").scan.warnings
+    assert any("1 source image(s) have another aspect ratio than their training image and are cropped to its "
+               "bucket, so the pair may no longer line up: 01_sky.png 64x128 for 01_sky.png 512x512" in w
+               for w in warnings), warnings
 
     (sources / "03_table.png").rename(sources / "03_tabel.png")
     with pytest.raises(ImgloraError) as exc:
@@ -135,6 +144,30 @@ def test_pairs_are_checked_and_the_source_keys_the_cache(tmp_path: Path) -> None
     with pytest.raises(ImgloraError, match=r"1 source image\(s\) in data.control_dir match no training image: "
                                            r"03_tabel.png; a source image needs the file stem"):
         cache.plan(cfg, family, src, "cpu")
+
+
+def test_a_held_out_image_never_takes_a_training_images_source(tmp_path: Path) -> None:
+    data, sources = pairs(tmp_path)
+    held = tmp_path / "held"
+    held.mkdir()
+    shutil.copy(EDITS / "01_sky.png", held / "01_sky.png")  # the name of a training image
+    shutil.copy(EDITS / "01_sky.txt", held / "01_sky.txt")
+    cfg = preset(tmp_path, data, sources, f"eval.holdout_dir={json.dumps(str(held))}")
+    with pytest.raises(ImgloraError, match=r"1 held-out image\(s\) have the file name of a training image, so they "
+                                           r"would take its source image from data.control_dir: 01_sky.png"):
+        registry.get("flux_kontext").data_version(cfg)
+
+
+def test_a_second_evaluation_of_a_step_replaces_the_first(tmp_path: Path) -> None:
+    from imglora import sheets
+
+    grid = [[Image.new("RGB", (32, 32), c) for c in ("red", "blue")]]
+    source = [Image.new("RGB", (32, 32), "grey")]
+    for _ in range(2):
+        paths, sheet = sheets.write_outputs(tmp_path, grid, ["p"], [0.0, 1.0], "t", controls=source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["contact_sheet.png", "p0_s0.png", "p0_s1.png",
+                                                          "p0_source.png"]
+    assert Image.open(tmp_path / "p0_source.png").getpixel((0, 0)) == (128, 128, 128)
 
 
 def test_the_config_asks_for_sources_where_they_belong(tmp_path: Path) -> None:

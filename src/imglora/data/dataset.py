@@ -194,6 +194,11 @@ def dataset_version(items: Iterable[DatasetItem]) -> str:
                 record.append(sha256_file(item.mask))
             except OSError as exc:
                 problems.append(f"{item.mask}: cannot read it any more ({exc.strerror}); scan again")
+        for control in item.controls:  # an edit pair's source images (only then, as masks)
+            try:
+                record.append(sha256_file(control))
+            except OSError as exc:
+                problems.append(f"{control}: cannot read it any more ({exc.strerror}); scan again")
         records.append(record)
     if problems:
         raise DataError(problems)

@@ -51,8 +51,15 @@ def scan(cfg: "Config", family: "Family") -> ScanResult:
         held = tuple(replace(i, set_index=first) for i in extra.items)
         warnings += extra.warnings
         if sets[first].control_dir:  # a held-out target's source is looked up as a training image's
-            held = tuple(attach_controls(list(held), Path(cfg.eval.holdout_dir), Path(sets[first].control_dir),
-                                         "eval.holdout_dir's control_dir", _controls(family), problems))
+            key = f"data.sets[{first}].control_dir" if d.sets else "data.control_dir"
+            held = tuple(attach_controls(list(held), Path(cfg.eval.holdout_dir), Path(sets[first].control_dir), key,
+                                         _controls(family), problems, warnings))
+            taken = {c.resolve() for i in items for c in i.controls}
+            shared = [i.path.name for i in held if any(c.resolve() in taken for c in i.controls)]
+            if shared:
+                problems.append(f"{cfg.eval.holdout_dir}: {len(shared)} held-out image(s) have the file name of a "
+                                f"training image, so they would take its source image from {key}: "
+                                f"{', '.join(shared[:5])}; rename them and their sources")
     folders: dict[str, int] = {}
     for i, s in enumerate(sets):
         if s.control_dir:
@@ -104,7 +111,7 @@ def _scan_set(cfg: "Config", family: "Family", s: "DataSetConfig", index: int) -
         check_alpha(items, problems, warnings)
     if s.control_dir:
         items = attach_controls(items, Path(s.dir), Path(s.control_dir), key("control_dir"), _controls(family),
-                                problems)
+                                problems, warnings)
     if problems:
         raise DataError(problems)
     note = keep_tokens_warning(items, s)

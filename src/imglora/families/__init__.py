@@ -54,11 +54,11 @@ class Registry:
         q = cfg.memory.quantization
         if q != "none" and q not in family.quantizations:
             able = [n for n in FAMILIES if FAMILIES[n].quantizations]
-            problems.append(f"{where('memory.quantization')}: 4-bit quantization is for the {', '.join(able)} "
-                            f"family; the {name} family uses memory.fp8")
+            problems.append(f"{where('memory.quantization')}: 4-bit quantization is for {_the(able)}; the {name} "
+                            "family uses memory.fp8")
         if cfg.lora.text_encoder and not supports(family, TextEncoderTraining):
-            problems.append(f"{where('lora.text_encoder')}: text-encoder training is implemented for the "
-                            f"{', '.join(self.supporting(TextEncoderTraining))} families; set it to false for {name}")
+            problems.append(f"{where('lora.text_encoder')}: text-encoder training is implemented for "
+                            f"{_the(self.supporting(TextEncoderTraining))}; set it to false for {name}")
         for i, s in enumerate(cfg.data.all_sets):
             key = f"data.sets[{i}].control_dir" if cfg.data.sets else "data.control_dir"
             if s.control_dir and not supports(family, EditPairs):
@@ -78,8 +78,8 @@ class Registry:
                             f"adapters, not {cfg.lora.type}")
         if cfg.memory.compile != "none" and not getattr(family, "compile_blocks", ()):
             able = [n for n in FAMILIES if getattr(FAMILIES[n], "compile_blocks", ())]
-            problems.append(f"{where('memory.compile')}: compiled blocks are implemented for the {', '.join(able)} "
-                            f"families; set it to \"none\" for {name}")
+            problems.append(f"{where('memory.compile')}: compiled blocks are implemented for {_the(able)}; set it "
+                            f"to \"none\" for {name}")
         family.check_config(cfg, where, problems)
 
 

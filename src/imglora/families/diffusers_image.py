@@ -228,7 +228,7 @@ def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image
     default_prompts makes them)."""
     from ..data.buckets import fit_to_bucket
     from ..data.images import BadImageError, open_image
-    from ..data.scan import scan
+    from ..data.scan import scan, split_holdout
 
     given = [Path(p) for p in cfg.eval.control_images]
     if given:
@@ -237,8 +237,9 @@ def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image
                                "source image for all prompts or one per prompt, in the prompts' order")
         paths = given * len(prompts) if len(given) == 1 else given
     else:
-        items = scan(cfg, family).items
-        trigger = _trigger(cfg, [i for i in items if not cfg.data.all_sets[i.set_index].regularization])
+        train, held = split_holdout(cfg, scan(cfg, family))
+        items = (*held.items, *train.items)
+        trigger = _trigger(cfg, [i for i in train.items if not cfg.data.all_sets[i.set_index].regularization])
         by_caption: dict[str, Path] = {}
         for item in items:
             for text in (item.caption, _without_trigger(item.caption, trigger)):
@@ -255,8 +256,8 @@ def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image
         try:
             out.append(fit_to_bucket(open_image(path), (size, size)).image)
         except (BadImageError, FileNotFoundError, OSError) as exc:
-            raise ImgloraError(f"{path}: cannot read this source image of eval.control_images ({exc}); give a "
-                               "png, jpg or webp file") from None
+            raise ImgloraError(f"{path}: cannot read this source image for the evaluation ({exc}); give a png, "
+                               "jpg or webp file") from None
     return out
 
 

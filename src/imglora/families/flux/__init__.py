@@ -74,7 +74,7 @@ class FluxFamily:
         f = cfg.family
         if cfg.memory.blocks_to_swap and (f.double_blocks_to_swap >= 0 or f.single_blocks_to_swap >= 0):
             problems.append(f"{where('memory.blocks_to_swap')}: give either memory.blocks_to_swap or "
-                            "flux.double_blocks_to_swap/single_blocks_to_swap, not both")
+                            f"{self.name}.double_blocks_to_swap/single_blocks_to_swap, not both")
         form = self.export_formats[0] if cfg.export.format == "default" else cfg.export.format
         if cfg.lora.type not in keys.FORM_TYPES.get(form, (cfg.lora.type,)):  # an unknown form: the common check
             problems.append(f"{where('export.format')}: {keys.KOHYA_FUSES}, and lora.type = {cfg.lora.type!r}; use "

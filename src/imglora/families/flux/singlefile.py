@@ -236,15 +236,15 @@ def resolve_files(model: Any, find: Any, overlay: Path | None = None) -> Any:
     if missing:
         raise ModelSourceError(f"{path} is a FLUX.1 transformer alone; FLUX also needs its text encoders and VAE as "
                                f"files: set {', '.join(missing)}")
+    if overlay is not None and layout.variant != "dev":
+        raise ModelSourceError(f"{path} is a FLUX.1-{layout.variant} transformer (no guidance embedding); "
+                               f"{overlay.name} is built on FLUX.1-dev: give its own file "
+                               f"(e.g. {overlay.name}.safetensors)")
     if model.config:
         return ModelSource(override(model.config), files)
     clip, _ = find_tokenizer("clip", CLIP_TOKENIZER, model.comfyui, "FLUX's CLIP-L")
     t5, _ = find_tokenizer("t5", T5_TOKENIZER, model.comfyui, "FLUX's T5")
     variant = f"flux1-{layout.variant}"  # dev (guidance-distilled) or schnell, as the file says
-    if overlay is not None and layout.variant != "dev":
-        raise ModelSourceError(f"{path} is a FLUX.1-{layout.variant} transformer (no guidance embedding); "
-                               f"{overlay.name} is built on FLUX.1-dev: give its own file "
-                               f"(e.g. {overlay.name}.safetensors)")
     root = assemble(overlay.name if overlay else variant, CONFIGS / variant, {"tokenizer": clip, "tokenizer_2": t5},
                     {"tokenizer": {"model_max_length": 77}}, overlay)
     return ModelSource(root, files)

@@ -33,7 +33,9 @@ def swap_counts(lengths: list[int], cfg: Any, override: int | None = None) -> li
     settings = cfg.family
     if override is None and (settings.double_blocks_to_swap >= 0 or settings.single_blocks_to_swap >= 0):
         counts = [max(0, settings.double_blocks_to_swap), max(0, settings.single_blocks_to_swap)]
-        for name, n, size in zip(("flux.double_blocks_to_swap", "flux.single_blocks_to_swap"), counts, lengths):
+        section = cfg.model.family  # flux, or a family on its transformer (flux_kontext) with the same keys
+        for name, n, size in zip((f"{section}.double_blocks_to_swap", f"{section}.single_blocks_to_swap"), counts,
+                                 lengths):
             if n > size:
                 raise ImgloraError(f"{name} = {n}, but the model has only {size} such blocks")
         return counts

@@ -9,12 +9,17 @@ from typing import Any
 
 import torch
 
+from ...errors import ModelSourceError
 from ..flux.model import FluxTrainable, image_ids, pack_latents
 from ..flux.model import synthetic_batch as flux_batch
 
 
 class KontextTrainable(FluxTrainable):
     def __init__(self, transformer: Any, settings: Any):
+        if not transformer.config.guidance_embeds:
+            raise ModelSourceError("this transformer has no guidance embedding (a FLUX.1-schnell one); FLUX.1 Kontext "
+                                   "[dev] is built on FLUX.1-dev: give black-forest-labs/FLUX.1-Kontext-dev or its "
+                                   "flux1-kontext-dev.safetensors")
         super().__init__(transformer, settings)
         self.facts = {"variant": "kontext-dev"}
 
