@@ -40,9 +40,9 @@ TRIGGER = "sks toy"
 
 
 def base_model(family: str):
-    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel, UNet2DConditionModel
 
-    cls = UNet2DConditionModel if family == "sdxl" else FluxTransformer2DModel
+    cls = {"sdxl": UNet2DConditionModel, "chroma": ChromaTransformer2DModel}.get(family, FluxTransformer2DModel)
     return cls.from_pretrained(resolve_model(f"tiny:{family}", get_family(family)).root, subfolder=get_family(family).denoiser).eval()
 
 
@@ -230,6 +230,19 @@ def test_flux_kontext_export_maps_in_comfyui_as_fluxs_with_exact_deltas(tmp_path
     deltas, not_loaded = comfy_load(sd, flux_key_map(base_model("flux_kontext")))
     assert not not_loaded, sorted(not_loaded)[:5]
     assert_deltas_equal(deltas, trained_deltas(model))
+
+
+def test_chroma_export_maps_in_comfyui_as_fluxs_with_exact_deltas(tmp_path) -> None:
+    # ComfyUI's Chroma model is a Flux model (model_base.Chroma(Flux)): its LoRA keys go through the
+    # FLUX branch, and every block projection Chroma has is in flux_to_diffusers' table.
+    run, model = make_run(tmp_path, "chroma", rank=4, alpha=6.0)
+    sd = tensors_of(export_run(run, out=tmp_path / "c.safetensors", dtype="fp32").path)
+    assert all(FLUX_KEY.match(k) for k in sd), [k for k in sd if not FLUX_KEY.match(k)][:5]
+    deltas, not_loaded = comfy_load(sd, flux_key_map(base_model("chroma")))
+    assert not not_loaded, sorted(not_loaded)[:5]
+    assert_deltas_equal(deltas, trained_deltas(model))
+    meta = header(tmp_path / "c.safetensors")
+    assert meta["ss_base_model_version"] == "chroma" and "ss_guidance_scale" not in meta
 
 
 def test_bf16_export_is_the_trained_weights_rounded_once(flux_run, tmp_path) -> None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..family import EditPairs, Family, Swappable, TextEncoderTraining, supports
+from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .flux_kontext import FluxKontextFamily
 from .llm import LlmFamily
 from .sdxl import SdxlFamily
 
 FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
-                             "llm": LlmFamily}
+                             "chroma": ChromaFamily, "llm": LlmFamily}
 
 
 class Registry:

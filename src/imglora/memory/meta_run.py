@@ -53,11 +53,14 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                     enable_gqa: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention`` with a fused kernel's memory on the meta device."""
-    if attn_mask is not None or enable_gqa or query.dim() != 4:
-        # The fused kernels take these too (memory-efficient attention takes a mask); the math path
-        # stands in for them, over-counting by one score matrix.
+    if enable_gqa or query.dim() != 4:
+        # The fused kernels take these too; the math path stands in for them, over-counting by one
+        # score matrix.
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
+    # A mask (Chroma's text mask): CUDA's memory-efficient kernel takes it and allocates and saves what
+    # the flash kernel does (the output, one log-sum-exp per query); the mask is the caller's tensor.
+    # On the meta device there are no values to mask, only the shapes and the work.
     return _Flash.apply(query, key, value, is_causal, scale)
 
 

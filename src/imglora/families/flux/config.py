@@ -1,4 +1,4 @@
-"""The ``[flux]`` preset section: settings only the FLUX family reads."""
+"""The ``[flux]`` preset section: settings only the FLUX family (and those on its architecture) reads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from ...config import setting
 
 
 @dataclass(frozen=True)
-class FluxConfig:
+class FlowMatchingConfig:
+    """The keys of a FLUX-style flow-matching transformer: timesteps, loss weighting, the swap split
+    (FLUX.1's, and the families on its architecture)."""
+
     timestep_sampling: Literal["sigmoid", "logit_normal", "uniform", "shift"] = setting(
         "shift", help="How training timesteps are drawn.", moved_from="train.timestep_sampling")
     sigmoid_scale: float = setting(1.0, help="Scale of the normal draw for sigmoid/shift sampling.", min=0.0,
@@ -22,11 +25,15 @@ class FluxConfig:
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = setting(
         "none", help="Weighting of the flow-matching loss over noise levels (as SD3 / kohya).",
         moved_from="train.loss_weighting")
-    guidance: float = setting(1.0, help="Guidance embedding value during training (1.0 for FLUX.1-dev).", min=0.0,
-                              max=100.0, moved_from="train.guidance")
     double_blocks_to_swap: int = setting(-1, help="Double blocks to swap, set directly; -1 = from "
                                                   "memory.blocks_to_swap (kohya's count).", min=-1, max=1000,
                                          resume_safe=True, moved_from="memory.double_blocks_to_swap")
     single_blocks_to_swap: int = setting(-1, help="Single blocks to swap, set directly; -1 = from "
                                                   "memory.blocks_to_swap (kohya's count).", min=-1, max=1000,
                                          resume_safe=True, moved_from="memory.single_blocks_to_swap")
+
+
+@dataclass(frozen=True)
+class FluxConfig(FlowMatchingConfig):
+    guidance: float = setting(1.0, help="Guidance embedding value during training (1.0 for FLUX.1-dev).", min=0.0,
+                              max=100.0, moved_from="train.guidance")

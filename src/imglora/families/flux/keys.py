@@ -164,10 +164,16 @@ def kohya_form(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
     return out
 
 
-def metadata(cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+def metadata(cfg: Any, record: dict[str, Any], base: str = "flux1",
+             architecture: str = "flux-1-dev/lora") -> dict[str, Any]:
+    """kohya's and modelspec's header entries (``base`` and ``architecture`` for the families on
+    FLUX.1's architecture)."""
     f = cfg.family
-    return {"ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1",
-            "modelspec.architecture": "flux-1-dev/lora",
-            "modelspec.implementation": "https://github.com/black-forest-labs/flux",
-            "ss_timestep_sampling": f.timestep_sampling, "ss_discrete_flow_shift": f.discrete_flow_shift,
-            "ss_sigmoid_scale": f.sigmoid_scale, "ss_guidance_scale": f.guidance}
+    out = {"ss_network_module": "networks.lora_flux", "ss_base_model_version": base,
+           "modelspec.architecture": architecture,
+           "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+           "ss_timestep_sampling": f.timestep_sampling, "ss_discrete_flow_shift": f.discrete_flow_shift,
+           "ss_sigmoid_scale": f.sigmoid_scale}
+    if hasattr(f, "guidance"):  # Chroma has no guidance embedding
+        out["ss_guidance_scale"] = f.guidance
+    return out

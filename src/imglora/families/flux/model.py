@@ -121,6 +121,33 @@ def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, dev
     return s * shift / (1 + (shift - 1) * s)
 
 
+def flow_matching_loss(settings: Any, batch: dict[str, torch.Tensor], pred: torch.Tensor, noise: torch.Tensor,
+                       x0: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The loss of a prediction of ``noise - x0`` on packed tokens: per element (the loss mask
+    packed as the latents), per item (weighted over noise levels), per batch (loss weights)."""
+    latents = batch["latents"]
+    mask = batch.get("loss_mask")
+    if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
+        mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
+    per_item = weighting.per_item_mse(pred, noise - x0, mask)
+    if settings.loss_weighting == "sigma_sqrt":
+        per_item = per_item * sigma.pow(-2.0)
+    elif settings.loss_weighting == "cosmap":
+        per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
+    return weighting.batch_loss(per_item, batch)
+
+
+def noised(settings: Any, latents: torch.Tensor, generator: Any) -> tuple[torch.Tensor, ...]:
+    """(x0, noise, sigma, noisy): the packed latents, the noise and noise levels drawn (noise first,
+    then σ, from ``generator``), and the point between them that the transformer denoises."""
+    n = latents.shape[0]
+    x0 = pack_latents(latents)
+    noise = draws(generator).randn(x0.shape, device=latents.device, dtype=x0.dtype)
+    sigma = sample_sigmas(n, settings, x0.shape[1], generator, latents.device)
+    s = sigma.view(n, 1, 1)
+    return x0, noise, sigma, (1 - s) * x0 + s * noise
+
+
 class FluxTrainable:
     """The FLUX transformer and the flow-matching loss on cached latents and text embeddings."""
 
@@ -145,11 +172,7 @@ class FluxTrainable:
             batch = {**batch, **self.encode_text(batch)}
         latents = batch["latents"]
         device, (n, _, h, w) = latents.device, latents.shape
-        x0 = pack_latents(latents)
-        noise = draws(generator).randn(x0.shape, device=device, dtype=x0.dtype)
-        sigma = sample_sigmas(n, self.settings, x0.shape[1], generator, device)
-        s = sigma.view(n, 1, 1)
-        noisy = (1 - s) * x0 + s * noise
+        x0, noise, sigma, noisy = noised(self.settings, latents, generator)
         dtype = self.model.dtype
         text = batch["prompt_embeds"]
         tokens, ids = noisy.to(dtype), image_ids(h, w, device)
@@ -166,15 +189,7 @@ class FluxTrainable:
             img_ids=ids.to(dtype),
             return_dict=False,
         )[0][:, :x0.shape[1]]  # the prediction for the noisy tokens only
-        mask = batch.get("loss_mask")
-        if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
-            mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
-        per_item = weighting.per_item_mse(pred, noise - x0, mask)
-        if self.settings.loss_weighting == "sigma_sqrt":
-            per_item = per_item * sigma.pow(-2.0)
-        elif self.settings.loss_weighting == "cosmap":
-            per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
-        return weighting.batch_loss(per_item, batch)
+        return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma)
 
 
 def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type | None = None) -> "FluxTrainable":

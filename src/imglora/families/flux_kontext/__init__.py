@@ -16,6 +16,7 @@ import torch
 
 from .. import diffusers_image as common
 from ..flux import FluxFamily
+from ..flux import keys as flux_keys
 from ..flux import singlefile as flux_files
 from ..flux import tiny as flux_tiny
 from . import comfyui, model
@@ -56,6 +57,9 @@ class FluxKontextFamily(FluxFamily):
         return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=comfyui.GUIDANCE,
                                         source_kwargs=lambda image: {"image": image, "_auto_resize": False,
                                                                      "max_area": image.width * image.height})
+
+    def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+        return flux_keys.metadata(cfg, record, architecture="flux-1-kontext-dev/lora")
 
     def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
                       with_clip: bool, model: Any = None) -> list[Any]:

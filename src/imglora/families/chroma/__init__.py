@@ -1,0 +1,173 @@
+"""Chroma (lodestones' Chroma1-HD / Chroma1-Base): FLUX.1-schnell's architecture with the modulation
+layers replaced by one small network (the approximator), T5-XXL alone as text encoder with its
+attention mask, no guidance embedding, sampled with real classifier-free guidance.
+
+In this folder: the loss and the mask (``model``), its section (``config``), its ComfyUI workflow
+(``comfyui``), its tiny model (``tiny``), the shipped Chroma1-HD architecture (``configs``). Its
+blocks have FLUX.1's names, so block swapping, fp8 and the export key forms are FLUX.1's (ComfyUI
+maps a Chroma LoRA through its FLUX key map: its Chroma model is a FLUX model). Not yet here:
+training from Chroma's single files (``chroma-*.safetensors``); give a diffusers folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ...owned import own_module
+from .. import diffusers_image as common
+from ..flux import keys as flux_keys
+from ..flux import swap
+from . import comfyui, model, tiny
+from .config import ChromaConfig
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ...source import ModelSource
+
+
+class ChromaFamily:
+    name = "chroma"
+    section = ChromaConfig
+    model_marker = "model_index.json"
+    adapter_file = common.ADAPTER_FILE
+    adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
+    bucket_step = 16
+    text_max_length = model.TEXT_MAX_LENGTH
+    # FLUX.1's block projections (Chroma's blocks have no modulation layers of their own).
+    lora_targets = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        "proj_mlp", "proj_out",
+    )
+    lora_scope = r"(transformer_blocks|single_transformer_blocks)\.\d+\."
+    quantize_exclude = ("x_embedder", "context_embedder", "distilled_guidance_layer*", "proj_out")
+    quantizations: tuple[str, ...] = ()
+    adapter_types = ("lora", "dora", "loha", "lokr")
+    swappable_blocks = swap.BLOCK_LISTS
+    compile_blocks = ("ChromaTransformerBlock", "ChromaSingleTransformerBlock")
+    export_formats = flux_keys.FORMATS
+    pipeline = "ChromaPipeline"
+    denoiser = "transformer"
+
+    vae_folders = common.vae_folders
+    prepare_data = common.prepare_data
+    data_version = common.data_version
+    collate = common.collate
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    base_weights = common.base_weights
+    default_prompts = common.default_prompts
+
+    def check_config(self, cfg: Any, where: Callable[[str], str], problems: list[str]) -> None:
+        common.check_config(self, cfg, where, problems)
+        f = cfg.family
+        if cfg.memory.blocks_to_swap and (f.double_blocks_to_swap >= 0 or f.single_blocks_to_swap >= 0):
+            problems.append(f"{where('memory.blocks_to_swap')}: give either memory.blocks_to_swap or "
+                            "chroma.double_blocks_to_swap/single_blocks_to_swap, not both")
+        form = self.export_formats[0] if cfg.export.format == "default" else cfg.export.format
+        if cfg.lora.type not in flux_keys.FORM_TYPES.get(form, (cfg.lora.type,)):
+            problems.append(f"{where('export.format')}: {flux_keys.KOHYA_FUSES}, and lora.type = {cfg.lora.type!r}; "
+                            "use export.format = \"default\" or lora.type = \"lora\"")
+
+    def build_tiny(self, dest: Path, seed: int) -> None:
+        tiny.build(dest, seed)
+
+    # -- cache ------------------------------------------------------------------------------
+    def text_folders(self, src: "ModelSource") -> list[Path]:
+        return [src.root / "text_encoder", src.root / "tokenizer"]
+
+    def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        return common.load_vae(self, src, device, dtype)
+
+    @torch.no_grad()
+    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        return {"latents": ((latents[0] - vae.config.shift_factor) * vae.config.scaling_factor).float().cpu()}
+
+    def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        from transformers import T5EncoderModel, T5TokenizerFast
+
+        t5 = T5EncoderModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
+        return T5TokenizerFast.from_pretrained(src.root, subfolder="tokenizer"), own_module(t5).to(device).eval()
+
+    @torch.no_grad()
+    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        # As ChromaPipeline._get_t5_prompt_embeds: T5 reads the tokenizer's mask (unlike FLUX's T5).
+        tok, t5 = encoders
+        t = tok(caption, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+        out = t5(t.input_ids.to(t5.device), attention_mask=t.attention_mask.to(t5.device),
+                 output_hidden_states=False)[0]
+        return {"prompt_embeds": out[0].cpu(), "text_mask": model.text_mask(t.attention_mask[0])}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        return {"T5": (len(encoders[0](caption).input_ids), max_length)}
+
+    # -- training ---------------------------------------------------------------------------
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(src, cfg, device, dtype)
+
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
+                       blocks_to_swap: int | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
+
+    def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
+        return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
+
+    def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        return model.synthetic_batch(trainable, resolution, cfg, device)
+
+    # -- block swapping: FLUX.1's block lists, kohya's count -------------------------------------
+    def block_counts(self, src: "ModelSource") -> list[int]:
+        return swap.block_counts(src)
+
+    def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
+        return swap.swap_counts(lengths, cfg, override)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
+        """Each prompt's embeddings and mask, with the negative prompt's (real CFG needs both)."""
+        encoded = common.encode_prompts(self, src, [*prompts, comfyui.NEGATIVE], cfg, device)
+        negative = {f"negative_{k}": v for k, v in encoded[-1].items()}
+        return [{**e, **negative} for e in encoded[:-1]]
+
+    def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Callable[..., Any]:
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()
+        pipe = diffusers.ChromaPipeline.from_pretrained(src.root, vae=self.load_vae(src, device, dtype),
+                                                        text_encoder=None, tokenizer=None, transformer=denoiser)
+        pipe.set_progress_bar_config(disable=True)
+        size = common.sample_size(cfg, self)
+        guidance = cfg.eval.guidance_scale or comfyui.SAMPLING.cfg
+        steps = cfg.eval.sample_steps
+
+        @torch.no_grad()
+        def sample(e: dict[str, torch.Tensor], seed: int) -> "Image.Image":
+            t = denoiser.dtype
+            return pipe(prompt_embeds=e["prompt_embeds"][None].to(device, t),
+                        prompt_attention_mask=e["text_mask"][None].to(device),
+                        negative_prompt_embeds=e["negative_prompt_embeds"][None].to(device, t),
+                        negative_prompt_attention_mask=e["negative_text_mask"][None].to(device),
+                        height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
+                        generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+
+        sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
+        return sample
+
+    # -- export: FLUX.1's key forms (ComfyUI's Chroma is a FLUX model) -----------------------------
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux_keys.tensors(modules, fmt, base)
+
+    def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+        return flux_keys.metadata(cfg, record, base="chroma", architecture="chroma/lora")
+
+    def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
+                      with_clip: bool, model: Any = None) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, model=model)
