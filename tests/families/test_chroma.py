@@ -120,3 +120,22 @@ def test_checkpointing_keeps_the_mask_in_the_single_blocks(prepared) -> None:
         torch.testing.assert_close(checked_grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
     dropped, _ = loss_and_grads(True, hooks=False)
     assert abs(dropped.item() - plain.item()) > 1e-4  # what diffusers' checkpointing alone would train
+
+
+def test_the_fp8_base_is_read_block_by_block_and_kept_for_the_next_run(prepared) -> None:
+    cfg, family, src, entry = prepared
+    fp8 = cfg.replace(memory={"fp8": True, "blocks_to_swap": 2})
+    first = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32)
+    assert first.facts["quantized_cache"]["hit"] is False
+    again = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32)
+    assert again.facts["quantized_cache"]["hit"] is True, (first.facts, again.facts)
+    a, b = first.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys()
+    batch = {k: v[None] for k, v in entry.items()}
+    with torch.no_grad():
+        assert torch.equal(first.loss(batch, torch.Generator().manual_seed(1)),
+                           again.loss(batch, torch.Generator().manual_seed(1)))
+    # The approximator (Chroma's modulations) and the embedders stay in full precision.
+    kept = [n for n, m in again.model.named_modules() if type(m) is torch.nn.Linear]
+    assert "distilled_guidance_layer.in_proj" in kept and "x_embedder" in kept and "proj_out" in kept
+    assert "transformer_blocks.0.attn.to_q" not in kept

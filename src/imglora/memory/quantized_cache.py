@@ -129,7 +129,8 @@ def load(folder: Path, model: nn.Module, parts: Sequence[tuple[str, nn.Module]],
         _fill(folder / f"{prefix.rstrip('.')}.safetensors", module, ())
         if on_part is not None:
             on_part(prefix, module)
-    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    saved = set(model.state_dict())  # a non-persistent buffer is never saved: the model makes it itself
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta and n in saved]
     if left:
         raise DamagedEntry(f"{folder}: {len(left)} tensors missing (e.g. {left[0]})")
     return model

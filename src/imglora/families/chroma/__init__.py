@@ -50,6 +50,7 @@ class ChromaFamily:
     adapter_types = ("lora", "dora", "loha", "lokr")
     swappable_blocks = swap.BLOCK_LISTS
     compile_blocks = ("ChromaTransformerBlock", "ChromaSingleTransformerBlock")
+    streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term
     export_formats = flux_keys.FORMATS
     pipeline = "ChromaPipeline"
     denoiser = "transformer"
@@ -109,7 +110,7 @@ class ChromaFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype)
+        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:

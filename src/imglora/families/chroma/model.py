@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...owned import own_module
 from ...tiny import random_init
-from ..flux import swap
+from ..flux import stream, swap
 from ..flux.model import flow_matching_loss, image_ids, noised
 
 if TYPE_CHECKING:
@@ -28,12 +27,16 @@ CONFIGS = Path(__file__).parent / "configs" / "chroma1-hd"
 TEXT_MAX_LENGTH = 512  # T5 tokens, as ChromaPipeline encodes prompts
 
 
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> "ChromaTrainable":
-    from diffusers import ChromaTransformer2DModel
-
-    transformer = own_module(ChromaTransformer2DModel.from_pretrained(src.root, subfolder="transformer",
-                                                                      torch_dtype=dtype))
-    return _trainable(transformer.requires_grad_(False), cfg)
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                   quantize_exclude: tuple[str, ...]) -> "ChromaTrainable":
+    """Read block by block as FLUX.1's transformer is (``flux.stream``): each block quantized with
+    memory.fp8 and placed as it is read, the quantized model kept in the cache for the next run."""
+    swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+                                                 model_class="ChromaTransformer2DModel")
+    trainable = _trainable(with_mod_proj(transformer), cfg)
+    trainable.facts.update(facts)
+    return trainable
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
@@ -49,7 +52,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
         transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, blocks_to_swap)
     else:
         transformer = random_init(transformer, dtype)
-    trainable = _trainable(transformer, cfg)
+    trainable = _trainable(with_mod_proj(transformer), cfg)
     if facts:
         trainable.facts["full_build"] = facts
     return trainable
@@ -58,6 +61,19 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
 def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "ChromaTrainable":
     """The transformer of ``root`` (None: Chroma1-HD's shipped config) on the meta device, frozen."""
     return _trainable(_meta(root or CONFIGS, dtype).requires_grad_(False), cfg)
+
+
+def with_mod_proj(transformer: Any) -> Any:
+    """The approximator's fixed input table (``time_text_embed.mod_proj``, a buffer diffusers computes
+    when the module is made and never saves): made again where the model was built on the meta
+    device and its weights loaded (a model read block by block, or from the quantized cache)."""
+    embed = transformer.time_text_embed
+    if embed.mod_proj.is_meta:
+        c = transformer.config
+        fresh = type(embed)(num_channels=c.approximator_num_channels // 4,
+                            out_dim=3 * c.num_single_layers + 2 * 6 * c.num_layers + 2)
+        embed.register_buffer("mod_proj", fresh.mod_proj, persistent=False)
+    return transformer
 
 
 def _meta(root: Path, dtype: torch.dtype) -> Any:

@@ -48,11 +48,13 @@ def transformer_files(root: Path) -> dict[str, Path]:
                            "safetensors weights only")
 
 
-def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | None = None) -> Any:
-    """FluxTransformer2DModel from a diffusers folder, built block by block as
-    :func:`~.singlefile.load_flux_transformer` builds it from a BFL file."""
+def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | None = None,
+                            model_class: str = "FluxTransformer2DModel") -> Any:
+    """FluxTransformer2DModel (or ``model_class``, a transformer with FLUX.1's block lists: Chroma's)
+    from a diffusers folder, built block by block as :func:`~.singlefile.load_flux_transformer`
+    builds it from a BFL file."""
     files = transformer_files(root)
-    model = meta_model(root)
+    model = meta_model(root, model_class)
     model.requires_grad_(False)  # frozen before assign (assign keeps the meta parameters' flag)
     expected = set(model.state_dict())
     if set(files) != expected:
@@ -83,18 +85,19 @@ def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | 
     return model.eval()
 
 
-def meta_model(root: Path) -> Any:
-    from diffusers import FluxTransformer2DModel
+def meta_model(root: Path, model_class: str = "FluxTransformer2DModel") -> Any:
+    import diffusers
 
-    config = diffusers_config(FluxTransformer2DModel, root, "transformer")
+    cls = getattr(diffusers, model_class)
+    config = diffusers_config(cls, root, "transformer")
     with torch.device("meta"):
-        return FluxTransformer2DModel.from_config(config)
+        return cls.from_config(config)
 
 
-def _read_source(src: Any, dtype: torch.dtype, on_block: OnBlock) -> Any:
-    if src.files:
+def _read_source(src: Any, dtype: torch.dtype, on_block: OnBlock, model_class: str) -> Any:
+    if src.files:  # a BFL-layout FLUX.1 file (the families reading other files have their own readers)
         return load_flux_transformer(src.files["transformer"], src.root, dtype=dtype, on_block=on_block)
-    return load_folder_transformer(src.root, dtype, on_block)
+    return load_folder_transformer(src.root, dtype, on_block, model_class)
 
 
 def _source_checksums(src: Any) -> dict[str, str]:
@@ -104,10 +107,12 @@ def _source_checksums(src: Any) -> dict[str, str]:
 
 
 def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, swapped: set[tuple[str, int]],
-                     exclude: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+                     exclude: tuple[str, ...],
+                     model_class: str = "FluxTransformer2DModel") -> tuple[Any, dict[str, Any]]:
     """The transformer of ``src`` (files or a folder), each block quantized (``memory.fp8``) and
     placed as it is read (``swapped``: the (kind, index) of blocks kept on the host); the quantized
-    model cached as the module docstring says. Returns the model and facts for the run record."""
+    model cached as the module docstring says. Returns the model and facts for the run record.
+    ``model_class``: the diffusers class (one with FLUX.1's block lists, e.g. Chroma's)."""
     from ...memory import quantized_cache
     from ...memory.fp8 import quantize_fp8, to_device
 
@@ -118,20 +123,20 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
             to_device(block, device)
 
     if not cfg.memory.fp8:
-        return _read_source(src, dtype, place), {}
+        return _read_source(src, dtype, place, model_class), {}
     facts: dict[str, Any] = {}
     entry = None
     if cfg.cache.quantized_base:
-        from diffusers import FluxTransformer2DModel
+        import diffusers
 
-        config = diffusers_config(FluxTransformer2DModel, src.root, "transformer")
+        config = diffusers_config(getattr(diffusers, model_class), src.root, "transformer")
         settings = {"kind": "fp8", "dtype": str(dtype), "exclude": list(exclude),
                     "config": {k: v for k, v in config.items() if not k.startswith("_")}}
         sources = _source_checksums(src)
         entry = Path(cfg.cache.dir).expanduser() / "quantized" / quantized_cache.key(sources, settings)
         facts["quantized_cache"] = {"entry": str(entry)}
         if (entry / "entry.json").is_file():
-            model = meta_model(src.root)
+            model = meta_model(src.root, model_class)
             parts = [(f"{name}.{i}.", block) for kind, name in _BLOCKS.items()
                      for i, block in enumerate(getattr(model, name))]
             kinds = {f"{name}.{i}.": (kind, i) for kind, name in _BLOCKS.items()
@@ -155,7 +160,7 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
             to_device(block, "cpu")
 
     try:
-        model = _read_source(src, dtype, ready)
+        model = _read_source(src, dtype, ready, model_class)
         if entry is not None:
             writer.finish(model)
             facts["quantized_cache"].update(hit=False, bytes=writer.bytes)
