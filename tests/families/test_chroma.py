@@ -139,3 +139,20 @@ def test_the_fp8_base_is_read_block_by_block_and_kept_for_the_next_run(prepared)
     kept = [n for n, m in again.model.named_modules() if type(m) is torch.nn.Linear]
     assert "distilled_guidance_layer.in_proj" in kept and "x_embedder" in kept and "proj_out" in kept
     assert "transformer_blocks.0.attn.to_q" not in kept
+
+
+def test_the_comfyui_workflow_loads_t5_as_chroma_and_samples_with_real_cfg() -> None:
+    from imglora import comfyui
+
+    api = comfyui.to_api(registry.get("chroma").comfyui_nodes("c.safetensors", "a toy", "", 7, "x", False))
+    by_type = {n["class_type"]: n["inputs"] for n in api.values()}
+    assert by_type["CLIPLoader"] == {"clip_name": "t5xxl_fp16.safetensors", "type": "chroma"}
+    assert by_type["UNETLoader"]["unet_name"] == "Chroma1-HD.safetensors"
+    assert by_type["KSampler"]["cfg"] == 4.0 and by_type["KSampler"]["seed"] == 7
+    assert "FluxGuidance" not in by_type and by_type["LoraLoaderModelOnly"]["lora_name"] == "c.safetensors"
+    negative = api[by_type["KSampler"]["negative"][0]]["inputs"]["text"]
+    assert negative and negative != "a toy"  # real CFG: a negative prompt that is evaluated
+    for node in api.values():
+        for value in node["inputs"].values():
+            if isinstance(value, list):
+                assert value[0] in api
