@@ -156,3 +156,23 @@ def test_the_comfyui_workflow_loads_t5_as_chroma_and_samples_with_real_cfg() -> 
         for value in node["inputs"].values():
             if isinstance(value, list):
                 assert value[0] in api
+
+
+def test_the_approximators_table_is_made_again_for_a_model_built_on_meta() -> None:
+    from diffusers import ChromaTransformer2DModel
+
+    from imglora.families.chroma.model import _meta, with_mod_proj
+    from imglora.tiny import random_init
+
+    root = resolve_model("tiny:chroma", registry.get("chroma")).root
+    loaded = ChromaTransformer2DModel.from_pretrained(root, subfolder="transformer")
+    built = with_mod_proj(random_init(_meta(root, torch.float32), torch.float32))  # to_empty: garbage before
+    assert torch.equal(built.time_text_embed.mod_proj, loaded.time_text_embed.mod_proj)
+
+
+def test_an_old_key_is_pointed_at_the_presets_own_family_section() -> None:
+    from imglora.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.discrete_flow_shift: unknown key \(schema 2 moved it to "
+                                          r"chroma.discrete_flow_shift\)"):
+        load_config(PRESET, ["train.discrete_flow_shift=2.0"])

@@ -216,11 +216,14 @@ def _index(key: str, part: str, text: str, items: Any, dotted: str, problems: li
 MIGRATED = "migrated from "  # origin prefix of a key the migration moved
 
 
-def moved_keys(families: FamilyCatalog) -> dict[str, str]:
-    """{old dotted key: new dotted key} for every field that says where it used to live."""
+def moved_keys(families: FamilyCatalog, prefer: str | None = None) -> dict[str, str]:
+    """{old dotted key: new dotted key} for every field that says where it used to live. Families
+    built on another's section share its keys: the key goes to ``prefer``'s section (the preset's
+    family) where it has the field, else to the first family that has it."""
     out = {}
     sections = [(name, cls) for name, cls in SECTIONS.items()]
-    sections += [(name, cls) for name in families.names() if (cls := families.section(name)) is not None]
+    names = sorted(families.names(), key=lambda n: n != prefer)  # the preferred family first
+    sections += [(name, cls) for name in names if (cls := families.section(name)) is not None]
     for name, cls in sections:
         for f in dataclasses.fields(cls):
             if f.metadata.get("moved_from"):  # the first family that has the key (one built on another's
@@ -242,7 +245,8 @@ def _migrate(raw: dict[str, Any], where: str, problems: list[str], origin: dict[
                         f"reads up to {SCHEMA_VERSION}; upgrade imglora")
         return raw
     if version < 2:
-        for old, new in moved_keys(families).items():
+        model = raw.get("model")
+        for old, new in moved_keys(families, model.get("family") if isinstance(model, dict) else None).items():
             (old_section, old_key), (new_section, new_key) = old.split(".", 1), new.split(".", 1)
             table = raw.get(old_section)
             if isinstance(table, dict) and old_key in table:
@@ -267,13 +271,14 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
         if key not in known:
             problems.append(f"{where(key)}: unknown section{_did_you_mean(key, known)}")
     sections: dict[str, Any] = {}
+    family_name = raw.get("model", {}).get("family") if isinstance(raw.get("model"), dict) else None
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         if not isinstance(table, dict):
             problems.append(f"{where(name)}: expected a [{name}] table, got {_describe(table)}")
             table = {}
-        sections[name] = _build_section(name, cls, table, where, problems, families)
-    family_name = raw.get("model", {}).get("family") if isinstance(raw.get("model"), dict) else None
+        sections[name] = _build_section(name, cls, table, where, problems, families,
+                                        prefer=family_name if isinstance(family_name, str) else None)
     if family_name is not None and family_name not in families.names():  # a choice the installed families make
         err, _ = _check_value(family_name, Literal[families.names()], {})
         problems.append(f"{where('model.family')}: {err}")
@@ -329,7 +334,7 @@ def _origin_of(origin: dict[str, str], dotted: str) -> str | None:
 
 def _build_section(name: str, cls: type, table: dict[str, Any], where: Where, problems: list[str],
                    families: FamilyCatalog, base: dict[str, Any] | None = None,
-                   outer: tuple[str, set[str]] | None = None) -> Any:
+                   outer: tuple[str, set[str]] | None = None, prefer: str | None = None) -> Any:
     """The dataclass ``cls`` from ``table``; ``base`` holds checked values to start from (what an item
     of a list of tables takes from the enclosing table), ``outer`` that table's name and keys."""
     hints = typing.get_type_hints(cls)
@@ -340,7 +345,7 @@ def _build_section(name: str, cls: type, table: dict[str, Any], where: Where, pr
     for key, value in table.items():
         dotted = f"{name}.{key}"
         if key not in hints:
-            moved = moved_keys(families).get(dotted)
+            moved = moved_keys(families, prefer).get(dotted)
             other = getattr(cls, "other_names", {}).get(key)
             if moved:
                 hint = f" (schema 2 moved it to {moved})"

@@ -35,18 +35,18 @@ from .offload import MIN_BYTES
 class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float | None) -> torch.Tensor:
+                scale: float | None, bias: torch.Tensor | None = None) -> torch.Tensor:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if bias is None else (bias,)))
         ctx.causal, ctx.scale = causal, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors[:5]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad.contiguous(), q, k, v, out, lse, 0.0, ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
@@ -58,10 +58,15 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # score matrix.
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
-    # A mask (Chroma's text mask): CUDA's memory-efficient kernel takes it and allocates and saves what
-    # the flash kernel does (the output, one log-sum-exp per query); the mask is the caller's tensor.
-    # On the meta device there are no values to mask, only the shapes and the work.
-    return _Flash.apply(query, key, value, is_causal, scale)
+    # A mask (Chroma's text mask): CUDA's memory-efficient kernel takes it, saves what the flash kernel
+    # does (the output, one log-sum-exp per query) and also the mask as an additive bias in the
+    # queries' dtype (a boolean mask is converted to one), kept for backward. On the meta device there
+    # are no values to mask, only the shapes and the work.
+    bias = None
+    if attn_mask is not None:
+        bias = attn_mask if attn_mask.dtype == query.dtype else torch.empty(attn_mask.shape, dtype=query.dtype,
+                                                                            device=query.device)
+    return _Flash.apply(query, key, value, is_causal, scale, bias)
 
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention

@@ -65,14 +65,16 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "Chroma
 
 def with_mod_proj(transformer: Any) -> Any:
     """The approximator's fixed input table (``time_text_embed.mod_proj``, a buffer diffusers computes
-    when the module is made and never saves): made again where the model was built on the meta
-    device and its weights loaded (a model read block by block, or from the quantized cache)."""
+    when the module is made and never saves), made again for a model built on the meta device: after
+    its weights were loaded (read block by block, or from the quantized cache) it is still on the meta
+    device; after random weights (``to_empty``) it holds uninitialised memory. In the model's dtype
+    and beside its weights, as ``from_pretrained(torch_dtype=...)`` leaves it."""
     embed = transformer.time_text_embed
-    if embed.mod_proj.is_meta:
-        c = transformer.config
-        fresh = type(embed)(num_channels=c.approximator_num_channels // 4,
-                            out_dim=3 * c.num_single_layers + 2 * 6 * c.num_layers + 2)
-        embed.register_buffer("mod_proj", fresh.mod_proj, persistent=False)
+    c = transformer.config
+    fresh = type(embed)(num_channels=c.approximator_num_channels // 4,
+                        out_dim=3 * c.num_single_layers + 2 * 6 * c.num_layers + 2).mod_proj
+    where = transformer.x_embedder.weight
+    embed.register_buffer("mod_proj", fresh.to(where.device, transformer.dtype), persistent=False)
     return transformer
 
 
