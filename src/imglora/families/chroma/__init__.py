@@ -167,7 +167,8 @@ class ChromaFamily:
         return flux_keys.tensors(modules, fmt, base)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
-        return flux_keys.metadata(cfg, record, base="chroma", architecture="chroma/lora")
+        return flux_keys.metadata(cfg, record, base="chroma", architecture="chroma/lora",
+                                  implementation="https://huggingface.co/lodestones/Chroma")  # kohya's
 
     def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
                       with_clip: bool, model: Any = None) -> list[Any]:

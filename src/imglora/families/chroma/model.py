@@ -124,7 +124,7 @@ class ChromaTrainable:
             block.register_forward_pre_hook(self._with_mask, with_kwargs=True)
 
     def _with_mask(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if kwargs.get("attention_mask") is None and self.mask is not None:
+        if kwargs.get("attention_mask") is None and self.mask is not None and len(args) < 4:  # (not positional)
             return args, {**kwargs, "attention_mask": self.mask}
         return None
 

@@ -164,14 +164,14 @@ def kohya_form(modules: dict[str, LoraModule]) -> dict[str, torch.Tensor]:
     return out
 
 
-def metadata(cfg: Any, record: dict[str, Any], base: str = "flux1",
-             architecture: str = "flux-1-dev/lora") -> dict[str, Any]:
+def metadata(cfg: Any, record: dict[str, Any], base: str = "flux1", architecture: str = "flux-1-dev/lora",
+             implementation: str = "https://github.com/black-forest-labs/flux") -> dict[str, Any]:
     """kohya's and modelspec's header entries (``base`` and ``architecture`` for the families on
     FLUX.1's architecture)."""
     f = cfg.family
     out = {"ss_network_module": "networks.lora_flux", "ss_base_model_version": base,
            "modelspec.architecture": architecture,
-           "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+           "modelspec.implementation": implementation,
            "ss_timestep_sampling": f.timestep_sampling, "ss_discrete_flow_shift": f.discrete_flow_shift,
            "ss_sigmoid_scale": f.sigmoid_scale}
     if hasattr(f, "guidance"):  # Chroma has no guidance embedding
