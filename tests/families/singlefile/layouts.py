@@ -241,6 +241,20 @@ def write_sdxl_vae(diffusers_dir: Path, out_file: Path) -> Path:
     return _save(_vae_ldm(diffusers_dir), out_file)
 
 
+def write_bfl_chroma(diffusers_dir: Path, out_file: Path) -> Path:
+    """A Chroma transformer in BFL's layout (as lodestones publish it), laid out by imglora's key plan
+    read backwards: the fused qkv / linear1 weights assembled from their row slices. (What the plan
+    says is checked against diffusers' own Chroma converter in test_training_from_files.py.)"""
+    from imglora.families.chroma.singlefile import chroma_plan
+
+    sd, config = _component(diffusers_dir, "transformer")
+    out: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, (src, rows, _op) in chroma_plan(config).items():
+        out.setdefault(src, []).append((rows[0] if rows else 0, sd[key]))
+    return _save({k: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for k, parts in out.items()},
+                 out_file)
+
+
 def write_flux_ae(diffusers_dir: Path, out_file: Path) -> Path:
     """FLUX's ae.safetensors: the 16-channel VAE in BFL's (= LDM's) names, no quant convs."""
     return _save(_vae_ldm(diffusers_dir), out_file)
@@ -332,12 +346,12 @@ def write_clip_l(diffusers_dir: Path, out_file: Path) -> Path:
 
 
 def write_t5xxl(diffusers_dir: Path, out_file: Path, *, fp8: bool = False,
-                dtype: torch.dtype = torch.float16) -> Path:
+                dtype: torch.dtype = torch.float16, sub: str = "text_encoder_2") -> Path:
     """t5xxl_fp16.safetensors, or t5xxl_fp8_e4m3fn.safetensors with ``fp8=True`` (every tensor,
     norms and embeddings included, in float8_e4m3fn). HF T5EncoderModel names, the shared
     embedding stored twice (``shared.weight`` and ``encoder.embed_tokens.weight``) as in those files.
     ``dtype``: another storage precision (float32 for comparisons that must be exact)."""
-    sd, _ = _component(diffusers_dir, "text_encoder_2")
+    sd, _ = _component(diffusers_dir, sub)
     sd.setdefault("encoder.embed_tokens.weight", sd["shared.weight"])
     dtype = FP8 if fp8 else dtype
     return _save({k: v.to(dtype, copy=True) for k, v in sd.items()}, out_file)

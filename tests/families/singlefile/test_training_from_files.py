@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from layouts import make_comfyui_tree, write_bfl_flux, write_clip_l, write_flux_ae, write_sgm_sdxl, write_t5xxl
+from layouts import (make_comfyui_tree, write_bfl_chroma, write_bfl_flux, write_clip_l, write_flux_ae, write_sgm_sdxl,
+                     write_t5xxl)
 from safetensors.torch import load_file
 
 from imglora import record
@@ -293,3 +294,71 @@ def test_flux_kontext_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_
     from_files = trained(kontext_preset(tmp_path, "run.name=files", "train.max_steps=2", *names,
                                         f"model.config={q(tiny)}"))
     assert_same_run(from_files, folder)
+
+
+@pytest.mark.slow
+def test_chroma_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_path: Path, sample_dataset: Path,
+                                                                      monkeypatch) -> None:
+    """Chroma1-HD.safetensors (BFL's layout, as diffusers' own converter reads it), t5xxl and ae found
+    by bare name in a ComfyUI folder, the shipped Chroma1-HD configs with ComfyUI's T5 tokenizer."""
+    from safetensors.torch import save_file
+
+    from imglora.families.singlefile import configdir
+
+    tiny = ensure_tiny(registry.get("chroma"))
+    d = tmp_path / "files"
+    chroma_file = write_bfl_chroma(tiny, d / "c.safetensors")
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {
+        "models/diffusion_models/Chroma1-HD.safetensors": chroma_file,
+        "models/text_encoders/t5xxl_fp32.safetensors": write_t5xxl(tiny, d / "t5.safetensors", dtype=torch.float32,
+                                                                   sub="text_encoder"),
+        "models/vae/ae.safetensors": write_flux_ae(tiny, d / "ae.safetensors")})
+    names = [f"model.comfyui={q(comfy)}", 'model.path="Chroma1-HD.safetensors"',
+             'model.text_encoder="t5xxl_fp32.safetensors"', 'model.vae="ae.safetensors"']
+    chroma = registry.get("chroma")
+    monkeypatch.setattr(configdir, "hub_snapshot", lambda repo: None)  # an empty Hugging Face cache
+    monkeypatch.setenv("IMGLORA_HOME", str(tmp_path / "home"))
+    shipped = resolve_model(preset("chroma", tmp_path, sample_dataset, *names).model, chroma)
+    t = json.loads((shipped.root / "transformer" / "config.json").read_text())
+    assert (t["num_layers"], t["num_single_layers"], t["approximator_hidden_dim"]) == (19, 38, 5120)
+    with pytest.raises(ModelSourceError, match=r"is a Chroma transformer alone; Chroma also needs T5-XXL and "
+                                               r"FLUX's VAE as files: set model.vae \(e.g. ae.safetensors\)"):
+        resolve_model(preset("chroma", tmp_path, sample_dataset, *names[:3]).model, chroma)
+    flux_file = write_bfl_flux(ensure_tiny(registry.get("flux")), d / "flux1-dev.safetensors")
+    save_file(load_file(str(flux_file)), comfy / "models" / "diffusion_models" / "flux1-dev.safetensors")
+    with pytest.raises(ModelSourceError, match=r"flux1-dev.safetensors is not a Chroma transformer.*"
+                                               r"model.family = \"flux\""):
+        resolve_model(preset("chroma", tmp_path, sample_dataset, *names).replace(
+            model={"path": "flux1-dev.safetensors"}).model, chroma)
+
+    # tiny-chroma has the FP8 base and 2 swapped blocks on: blocks are quantized as they are read.
+    folder = trained(preset("chroma", tmp_path, sample_dataset, "run.name=folder", "train.max_steps=2"))
+    from_files = trained(preset("chroma", tmp_path, sample_dataset, "run.name=files", "train.max_steps=2", *names,
+                                f"model.config={q(tiny)}"))
+    assert_same_run(from_files, folder)
+
+
+def test_chromas_key_plan_is_diffusers_converter_read_backwards() -> None:
+    """diffusers' convert_chroma_transformer_checkpoint_to_diffusers hard-codes Chroma's width (3072),
+    so the check runs at the real width with one block of each kind and int8 values (the conversion
+    only slices and concatenates): the BFL state our plan describes converts back exactly."""
+    from diffusers import ChromaTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
+
+    from imglora.families.chroma.singlefile import chroma_plan
+
+    config = {"num_layers": 1, "num_single_layers": 1, "approximator_layers": 1}
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in ChromaTransformer2DModel(**config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    ours = {k: torch.randint(-128, 127, shape, generator=g, dtype=torch.int8) for k, shape in shapes.items()}
+    bfl: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    plan = chroma_plan(dict(ChromaTransformer2DModel.load_config(str(REPO / "src/imglora/families/chroma/configs/"
+                                                                          "chroma1-hd/transformer")), **config))
+    assert plan.keys() == shapes.keys()
+    for key, (src, rows, _op) in plan.items():
+        bfl.setdefault(src, []).append((rows[0] if rows else 0, ours[key]))
+    file_state = {k: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for k, parts in bfl.items()}
+    theirs = convert_chroma_transformer_checkpoint_to_diffusers(file_state)
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours)

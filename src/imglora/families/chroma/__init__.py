@@ -5,8 +5,8 @@ attention mask, no guidance embedding, sampled with real classifier-free guidanc
 In this folder: the loss and the mask (``model``), its section (``config``), its ComfyUI workflow
 (``comfyui``), its tiny model (``tiny``), the shipped Chroma1-HD architecture (``configs``). Its
 blocks have FLUX.1's names, so block swapping, fp8 and the export key forms are FLUX.1's (ComfyUI
-maps a Chroma LoRA through its FLUX key map: its Chroma model is a FLUX model). Not yet here:
-training from Chroma's single files (``chroma-*.safetensors``); give a diffusers folder.
+maps a Chroma LoRA through its FLUX key map: its Chroma model is a FLUX model). It trains from a
+diffusers folder or from ComfyUI's single files (``singlefile``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ...owned import own_module
 from .. import diffusers_image as common
 from ..flux import keys as flux_keys
 from ..flux import swap
-from . import comfyui, model, tiny
+from . import comfyui, model, singlefile, tiny
 from .config import ChromaConfig
 
 if TYPE_CHECKING:
@@ -55,7 +55,6 @@ class ChromaFamily:
     pipeline = "ChromaPipeline"
     denoiser = "transformer"
 
-    vae_folders = common.vae_folders
     prepare_data = common.prepare_data
     data_version = common.data_version
     collate = common.collate
@@ -78,11 +77,19 @@ class ChromaFamily:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     # -- cache ------------------------------------------------------------------------------
     def text_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "text_encoder", src.root / "tokenizer"]
+        return [src.root / "text_encoder", src.root / "tokenizer", *([src.files["text_encoder"]] if src.files else [])]
+
+    def vae_folders(self, src: "ModelSource") -> list[Path]:
+        return [src.root / "vae", *([src.files["vae"]] if src.files else [])]
 
     def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        if src.files:
+            return own_module(singlefile.load_vae(src, dtype)).to(device).eval()
         return common.load_vae(self, src, device, dtype)
 
     @torch.no_grad()
@@ -93,7 +100,10 @@ class ChromaFamily:
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import T5EncoderModel, T5TokenizerFast
 
-        t5 = T5EncoderModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
+        if src.files:
+            t5 = singlefile.load_t5(src, dtype)
+        else:
+            t5 = T5EncoderModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
         return T5TokenizerFast.from_pretrained(src.root, subfolder="tokenizer"), own_module(t5).to(device).eval()
 
     @torch.no_grad()
@@ -165,6 +175,9 @@ class ChromaFamily:
     def export_tensors(self, modules: dict[str, Any], fmt: str,
                        base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return flux_keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return flux_keys.metadata(cfg, record, base="chroma", architecture="chroma/lora",

@@ -18,6 +18,7 @@ import torch
 
 from ...tiny import random_init
 from ..flux import stream, swap
+from . import singlefile
 from ..flux.model import flow_matching_loss, image_ids, noised
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     memory.fp8 and placed as it is read, the quantized model kept in the cache for the next run."""
     swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
-                                                 model_class="ChromaTransformer2DModel")
+                                                 model_class="ChromaTransformer2DModel",
+                                                 file_reader=singlefile.load_chroma_transformer)
     trainable = _trainable(with_mod_proj(transformer), cfg)
     trainable.facts.update(facts)
     return trainable

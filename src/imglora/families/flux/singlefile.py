@@ -95,7 +95,9 @@ def flux_plan(config: Mapping[str, Any]) -> dict[str, Source]:
 
 
 def load_flux_transformer(path: PathLike, config: Mapping[str, Any] | PathLike, *, dtype: torch.dtype,
-                          device: torch.device | str = "cpu", on_block: OnBlock | None = None) -> Any:
+                          device: torch.device | str = "cpu", on_block: OnBlock | None = None,
+                          model_class: str = "FluxTransformer2DModel", kind: str = "flux-transformer",
+                          planner: Callable[[Mapping[str, Any]], dict[str, Source]] | None = None) -> Any:
     """FluxTransformer2DModel from the BFL file ``path``, built block by block.
 
     ``config``: the transformer config dict (``FluxTransformer2DModel.load_config(folder)``, the
@@ -106,23 +108,28 @@ def load_flux_transformer(path: PathLike, config: Mapping[str, Any] | PathLike, 
 
     The whole file header is checked against the model before any weight is read, so a wrong file
     (schnell for dev, another width, missing blocks) fails at once, naming the keys.
-    """
-    from diffusers import FluxTransformer2DModel
 
-    layout = expect(path, "flux-transformer")
-    config = diffusers_config(FluxTransformer2DModel, config, "transformer")
+    ``model_class``, ``kind`` and ``planner``: another transformer in BFL's layout with FLUX.1's
+    blocks (Chroma's: its diffusers class, its file kind, its key plan).
+    """
+    import diffusers
+
+    cls = getattr(diffusers, model_class)
+    layout = expect(path, kind)
+    config = diffusers_config(cls, config, "transformer")
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(config)
+        model = cls.from_config(config)
     # A base model's weights are frozen; load_state_dict(assign=True) keeps this flag of the meta
     # parameters it replaces, and quantize_fp8 leaves trainable weights alone.
     model.requires_grad_(False)
-    plan = flux_plan(dict(model.config))
+    plan = (planner or flux_plan)(dict(model.config))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if set(plan) != set(shapes):  # a diffusers change, not a user error
-        raise RuntimeError(f"flux_plan does not cover FluxTransformer2DModel: {sorted(set(shapes) ^ set(plan))[:8]}")
+        raise RuntimeError(f"the key plan does not cover {model_class}: {sorted(set(shapes) ^ set(plan))[:8]}")
     block_keys = tuple(f"{name}." for name in _BLOCKS.values())
     with open_file(path) as r:
-        _check_header(r, layout.prefix, plan, shapes, layout.variant, bool(model.config.guidance_embeds))
+        _check_header(r, layout.prefix, plan, shapes, layout.variant,
+                      bool(getattr(model.config, "guidance_embeds", False)))
         rest = {k: _read(r, layout.prefix + src, rows, op, dtype, device)
                 for k, (src, rows, op) in plan.items() if not k.startswith(block_keys)}
         missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
@@ -275,9 +282,13 @@ def base_weights(src: Any, component: str, paths: list[str]) -> dict[str, torch.
         raise ModelSourceError(f"no base weights of the FLUX {component} are read for export")
     from diffusers import FluxTransformer2DModel
 
-    path = src.files["transformer"]
-    layout = expect(path, "flux-transformer")
     plan = flux_plan(diffusers_config(FluxTransformer2DModel, src.root, "transformer"))
+    return plan_weights(src.files["transformer"], "flux-transformer", plan, paths)
+
+
+def plan_weights(path: PathLike, kind: str, plan: Mapping[str, Source], paths: list[str]) -> dict[str, torch.Tensor]:
+    """fp32 ``<path>.weight`` of each module path, read from a BFL-layout file through its key plan."""
+    layout = expect(path, kind)
     with open_file(path) as r:
         return {p: _read(r, layout.prefix + plan[f"{p}.weight"][0], *plan[f"{p}.weight"][1:], torch.float32, "cpu")
                 for p in paths}

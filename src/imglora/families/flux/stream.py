@@ -16,7 +16,7 @@ import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -94,9 +94,11 @@ def meta_model(root: Path, model_class: str = "FluxTransformer2DModel") -> Any:
         return cls.from_config(config)
 
 
-def _read_source(src: Any, dtype: torch.dtype, on_block: OnBlock, model_class: str) -> Any:
-    if src.files:  # a BFL-layout FLUX.1 file (the families reading other files have their own readers)
-        return load_flux_transformer(src.files["transformer"], src.root, dtype=dtype, on_block=on_block)
+def _read_source(src: Any, dtype: torch.dtype, on_block: OnBlock, model_class: str,
+                 file_reader: Callable[..., Any] | None) -> Any:
+    if src.files:  # a BFL-layout file: FLUX.1's, or (file_reader) another family's with FLUX.1's blocks
+        return (file_reader or load_flux_transformer)(src.files["transformer"], src.root, dtype=dtype,
+                                                      on_block=on_block)
     return load_folder_transformer(src.root, dtype, on_block, model_class)
 
 
@@ -107,12 +109,13 @@ def _source_checksums(src: Any) -> dict[str, str]:
 
 
 def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, swapped: set[tuple[str, int]],
-                     exclude: tuple[str, ...],
-                     model_class: str = "FluxTransformer2DModel") -> tuple[Any, dict[str, Any]]:
+                     exclude: tuple[str, ...], model_class: str = "FluxTransformer2DModel",
+                     file_reader: Callable[..., Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """The transformer of ``src`` (files or a folder), each block quantized (``memory.fp8``) and
     placed as it is read (``swapped``: the (kind, index) of blocks kept on the host); the quantized
     model cached as the module docstring says. Returns the model and facts for the run record.
-    ``model_class``: the diffusers class (one with FLUX.1's block lists, e.g. Chroma's)."""
+    ``model_class``: the diffusers class (one with FLUX.1's block lists, e.g. Chroma's);
+    ``file_reader``: how its single file is read (``load_flux_transformer`` by default)."""
     from ...memory import quantized_cache
     from ...memory.fp8 import quantize_fp8, to_device
 
@@ -123,7 +126,7 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
             to_device(block, device)
 
     if not cfg.memory.fp8:
-        return _read_source(src, dtype, place, model_class), {}
+        return _read_source(src, dtype, place, model_class, file_reader), {}
     facts: dict[str, Any] = {}
     entry = None
     if cfg.cache.quantized_base:
@@ -160,7 +163,7 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
             to_device(block, "cpu")
 
     try:
-        model = _read_source(src, dtype, ready, model_class)
+        model = _read_source(src, dtype, ready, model_class, file_reader)
         if entry is not None:
             writer.finish(model)
             facts["quantized_cache"].update(hit=False, bytes=writer.bytes)

@@ -18,7 +18,7 @@ from pathlib import Path
 from ...errors import ModelSourceError
 from ...safefiles import PathLike, Reader, is_side_key, open_file
 
-KINDS = ("sdxl-checkpoint", "flux-transformer", "clip-l", "t5xxl", "vae-sdxl", "vae-flux", "lora", "unknown")
+KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "clip-l", "t5xxl", "vae-sdxl", "vae-flux", "lora", "unknown")
 
 UNET_PREFIX = "model.diffusion_model."
 CLIP_L_KEY = "text_model.encoder.layers.0.mlp.fc1.weight"
@@ -105,7 +105,12 @@ def classify(r: Reader) -> Layout:
         if prefix + "double_stream_modulation_img.lin.weight" in keys:
             return Layout(kind="unknown", prefix=prefix, note="a FLUX.2 transformer; imglora trains FLUX.1", **base)
         if any(k.startswith(prefix + "distilled_guidance_layer.") for k in keys):
-            return Layout(kind="unknown", prefix=prefix, note="a Chroma transformer; imglora trains FLUX.1", **base)
+            if any(k.startswith(prefix + "nerf_") for k in keys):
+                return Layout(kind="unknown", prefix=prefix, note="a Chroma Radiance transformer (pixel space); "
+                              "imglora trains Chroma's latent models", **base)
+            blocks = r.with_prefix(prefix + "double_blocks.") + r.with_prefix(prefix + "single_blocks.")
+            return Layout(kind="chroma-transformer", prefix=prefix, parts=("transformer",), fp8=fp8(blocks),
+                          scaled=scaled, **base)
         if prefix + FLUX_KEY in keys:
             parts = ["transformer"]
             parts += [name for name, key in (
@@ -157,6 +162,7 @@ def classify(r: Reader) -> Layout:
 _WANTED = {
     "sdxl-checkpoint": "an SDXL checkpoint (e.g. sd_xl_base_1.0.safetensors)",
     "flux-transformer": "a FLUX.1 transformer (e.g. flux1-dev.safetensors)",
+    "chroma-transformer": "a Chroma transformer (e.g. Chroma1-HD.safetensors)",
     "clip-l": "a CLIP-L text encoder (e.g. clip_l.safetensors)",
     "t5xxl": "a T5-XXL text encoder (e.g. t5xxl_fp16.safetensors)",
     "vae-sdxl": "an SDXL VAE (e.g. sdxl_vae.safetensors)",
@@ -164,7 +170,7 @@ _WANTED = {
 }
 
 
-FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux"}  # a base model file -> the family that trains it
+FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux", "chroma-transformer": "chroma"}  # a base model file -> the family that trains it
 
 
 def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
