@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from imglora.weighting import batch_loss, per_item_mse
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_mask_zeroing_the_right_half_gives_no_gradient_there() -> None:
@@ -29,3 +33,72 @@ def test_no_mask_and_no_weight_is_the_plain_mean_bit_for_bit_and_weights_scale_i
     weight = torch.tensor([1.0, 2.0, 0.0])
     torch.testing.assert_close(batch_loss(plain, {"loss_weight": weight}), (plain * weight).mean())
     assert torch.equal(batch_loss(plain, {}), plain.mean())
+
+
+def test_min_snr_weight_is_finite_at_zero_snr_and_the_usual_form_elsewhere() -> None:
+    from imglora.weighting import min_snr_weight
+
+    snr = torch.tensor([0.0, 1e-6, 0.5, 5.0, 7.5, 1e4])
+    eps = min_snr_weight(snr, 5.0, "epsilon")
+    assert eps[0] == 1.0  # the limit of min(snr, 5)/snr as snr -> 0, not 0/0
+    assert torch.equal(eps[1:], (torch.clamp(snr, max=5.0) / snr)[1:])  # the usual form, bit for bit
+    v = min_snr_weight(snr, 5.0, "v_prediction")
+    assert torch.equal(v, torch.clamp(snr, max=5.0) / (snr + 1)) and v[0] == 0.0
+
+
+def test_a_zero_terminal_snr_epsilon_model_trains_at_t_999_without_nan(monkeypatch) -> None:
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    from imglora.commands.common import load_config
+    from imglora.families import registry
+    from imglora.families.sdxl import model as sdxl_model
+    from imglora.models import resolve_model
+    from imglora.rng import draws
+
+    root = resolve_model("tiny:sdxl", registry.get("sdxl")).root
+    cfg = load_config(REPO / "presets" / "tiny-sdxl.toml", ["sdxl.min_snr_gamma=5", 'sdxl.prediction_type="epsilon"'])
+    scheduler = DDPMScheduler.from_pretrained(root, subfolder="scheduler", rescale_betas_zero_snr=True)
+    assert scheduler.alphas_cumprod[999] == 0  # SNR 0 at the last step
+    trainable = sdxl_model.SdxlTrainable(UNet2DConditionModel.from_pretrained(root, subfolder="unet"), scheduler,
+                                         cfg.family)
+
+    class Last:
+        def __init__(self, generator):
+            self.inner = draws(generator)
+
+        def randn(self, *a, **k):
+            return self.inner.randn(*a, **k)
+
+        def randint(self, low, high, shape, device=None):
+            return torch.full(shape, high - 1, device=device)  # t = 999 for every sample
+
+    monkeypatch.setattr(sdxl_model, "draws", Last)
+    batch = registry.get("sdxl").synthetic_batch(trainable, 64, cfg.replace(train={"batch_size": 2}),
+                                                 torch.device("cpu"))
+    with torch.no_grad():
+        loss = trainable.loss(batch, torch.Generator().manual_seed(1))
+    assert torch.isfinite(loss) and loss > 0
+
+
+def test_the_eval_sampler_of_a_zero_terminal_snr_model_starts_from_pure_noise(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from imglora.commands.common import load_config
+    from imglora.families import registry
+    from imglora.models import resolve_model
+
+    family = registry.get("sdxl")
+    cfg = load_config(REPO / "presets" / "tiny-sdxl.toml", ["eval.sample_steps=4"])
+    plain = resolve_model("tiny:sdxl", family)
+    ztsnr = tmp_path / "ztsnr"
+    shutil.copytree(plain.root, ztsnr)
+    config = ztsnr / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rescale_betas_zero_snr": True,
+                                  "prediction_type": "v_prediction"}))
+    unet = family.load_trainable(plain, cfg, torch.device("cpu"), torch.float32).model
+    leading = family.load_sampler(plain, unet, cfg, torch.device("cpu"), torch.float32).settings
+    trailing = family.load_sampler(resolve_model(str(ztsnr), family), unet, cfg, torch.device("cpu"),
+                                   torch.float32).settings
+    assert leading["timestep_spacing"] == "leading" and leading["first_timestep"] < 999
+    assert trailing["timestep_spacing"] == "trailing" and trailing["first_timestep"] == 999

@@ -31,3 +31,17 @@ def batch_loss(per_item: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.
     if weight is not None:
         per_item = per_item * weight.to(per_item.dtype)
     return per_item.mean()
+
+
+def min_snr_weight(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """Min-SNR-γ's loss weight per sample (Hang et al. 2023): min(SNR, γ)/SNR for ε-prediction,
+    min(SNR, γ)/(SNR + 1) for v-prediction.
+
+    At SNR = 0 (t = 999 of a zero-terminal-SNR schedule) the ε-prediction weight is 0/0 in that form;
+    kohya's and diffusers' scripts compute it so and get NaN about once in 1000 samples. Here it is
+    that form wherever SNR > 0 (bit for bit) and its limit, 1, at SNR = 0."""
+    clipped = torch.clamp(snr, max=gamma)
+    if prediction_type == "epsilon":
+        weight = clipped / snr
+        return torch.where(snr > 0, weight, torch.ones_like(weight))
+    return clipped / (snr + 1)

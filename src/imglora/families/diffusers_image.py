@@ -319,7 +319,10 @@ def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, c
         return pipe(**kwargs, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
                     generator=torch.Generator("cpu").manual_seed(seed)).images[0]
 
-    sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
+    pipe.scheduler.set_timesteps(steps)  # (the pipeline sets them again on each call)
+    sample.settings = {"size": size, "steps": steps, "guidance": guidance,  # type: ignore[attr-defined]
+                       "timestep_spacing": pipe.scheduler.config.get("timestep_spacing"),
+                       "first_timestep": float(pipe.scheduler.timesteps[0])}
     return sample
 
 

@@ -145,9 +145,10 @@ class SdxlFamily:
     def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Callable[..., Any]:
         # Classifier-free guidance 7 unless eval.guidance_scale says otherwise; the sampler predicts
-        # what the UNet was trained to (a single file's v-prediction mark, [sdxl] prediction_type).
+        # what the UNet was trained to (a single file's v-prediction mark, [sdxl] prediction_type),
+        # and starts from pure noise for a zero-terminal-SNR model (trailing spacing).
         return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=7.0,
-                                        scheduler_overrides=model.scheduler_overrides(src, cfg))
+                                        scheduler_overrides=model.sampler_overrides(src, cfg))
 
     # -- export -----------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str,

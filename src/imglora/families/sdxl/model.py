@@ -43,6 +43,21 @@ def load_trainable(src: "ModelSource", cfg: Any, dtype: torch.dtype) -> "SdxlTra
     return SdxlTrainable(unet, scheduler, cfg.family)
 
 
+def sampler_overrides(src: "ModelSource", cfg: Any) -> dict[str, Any]:
+    """The evaluation sampler's scheduler settings: the model's (scheduler_overrides), and for a
+    zero-terminal-SNR model "trailing" timestep spacing, so that sampling starts from t = 999 (pure
+    noise, where such a model was trained to start) and not at 951 as SDXL's "leading" spacing does
+    at 20 steps (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed";
+    diffusers' recommendation for these models)."""
+    import json
+
+    out = scheduler_overrides(src, cfg)
+    config = json.loads((src.root / "scheduler" / "scheduler_config.json").read_text())
+    if out.get("rescale_betas_zero_snr", config.get("rescale_betas_zero_snr", False)):
+        out["timestep_spacing"] = "trailing"
+    return out
+
+
 def scheduler_overrides(src: "ModelSource", cfg: Any) -> dict[str, Any]:
     """What the model says beyond its scheduler config: a single file's v-prediction and zero
     terminal SNR marks (diffusers reads neither), then [sdxl] prediction_type if set."""
@@ -160,9 +175,7 @@ class SdxlTrainable:
         per_item = weighting.per_item_mse(pred, target, batch.get("loss_mask"))
         if self.min_snr_gamma:
             snr = abar.view(n) / (1 - abar.view(n))
-            clipped = torch.clamp(snr, max=self.min_snr_gamma)
-            # Min-SNR-γ (Hang et al. 2023): ε-prediction weight min(snr, γ)/snr; v-prediction min(snr, γ)/(snr+1).
-            per_item = per_item * (clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1))
+            per_item = per_item * weighting.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type)
         return weighting.batch_loss(per_item, batch)
 
 
