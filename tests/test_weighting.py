@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from imglora.weighting import batch_loss, per_item_mse
@@ -102,3 +103,71 @@ def test_the_eval_sampler_of_a_zero_terminal_snr_model_starts_from_pure_noise(tm
                                    torch.float32).settings
     assert leading["timestep_spacing"] == "leading" and leading["first_timestep"] < 999
     assert trailing["timestep_spacing"] == "trailing" and trailing["first_timestep"] == 999
+
+
+class Train:
+    def __init__(self, loss_type: str, schedule: str = "snr", c: float = 0.1, scale: float = 1.0):
+        self.loss_type, self.huber_schedule, self.huber_c, self.huber_scale = loss_type, schedule, c, scale
+
+
+def kohya_conditional_loss(pred, target, loss_type, c):
+    """kohya sd-scripts' conditional_loss with reduction "none" (library/train_util.py), written out."""
+    if loss_type == "l1":
+        return torch.nn.functional.l1_loss(pred, target, reduction="none")
+    c = c.view(-1, 1, 1, 1)
+    root = torch.sqrt((pred - target) ** 2 + c**2) - c
+    return 2 * c * root if loss_type == "huber" else 2 * root
+
+
+def test_each_loss_type_is_kohyas_and_l2_is_the_mse_as_before() -> None:
+    from imglora.weighting import huber_threshold, per_item_loss
+
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g) * 3
+    t = torch.tensor([0.05, 0.5, 0.999])
+    abar = torch.tensor([0.9, 0.3, 0.0])  # the last: SNR 0
+    ratio = ((1 - abar) / abar).sqrt()
+    assert torch.equal(per_item_loss(pred, target, None, Train("l2"), lambda: 1 / 0), per_item_mse(pred, target))
+    for kind in ("l1", "huber", "smooth_l1"):
+        for schedule in ("snr", "exponential", "constant"):
+            train = Train(kind, schedule, c=0.2, scale=1.5)
+            c = huber_threshold(train, t, ratio)
+            assert torch.isfinite(c).all()
+            want = kohya_conditional_loss(pred, target, kind, c).mean(dim=(1, 2, 3))
+            torch.testing.assert_close(per_item_loss(pred, target, None, train, lambda: (t, ratio)), want,
+                                       rtol=1e-6, atol=0)
+    # kohya's schedules at their own timesteps T = 1000 t (huber_c 0.2, huber_scale 1.5):
+    T = t * 1000
+    exp_kohya = torch.exp(-(-torch.log(torch.tensor(0.2)) / 1000) * T) * 1.5
+    torch.testing.assert_close(huber_threshold(Train("huber", "exponential", 0.2, 1.5), t, ratio), exp_kohya)
+    snr_kohya = (1 - 0.2) / (1 + ratio) ** 2 + 0.2
+    assert torch.equal(huber_threshold(Train("huber", "snr", 0.2, 1.5), t, ratio), snr_kohya)
+    assert huber_threshold(Train("huber", "snr", 0.2), t, ratio)[2] == 0.2  # infinite ratio: c = huber_c
+    # Huber is quadratic near 0 and linear far out: large errors weigh less than in l2.
+    small, large = torch.full((1, 1, 1, 1), 0.01), torch.full((1, 1, 1, 1), 10.0)
+    one = lambda: (torch.tensor([0.5]), torch.tensor([1.0]))  # noqa: E731
+    h = Train("huber", "constant", 0.1)
+    assert per_item_loss(small, torch.zeros_like(small), None, h, one) < 0.01**2
+    assert per_item_loss(large, torch.zeros_like(large), None, h, one) < 0.21 * 10
+
+
+def test_huber_trains_every_image_family_and_is_refused_for_the_llm() -> None:
+    from imglora.commands.common import load_config
+    from imglora.errors import ConfigError
+    from imglora.families import registry
+    from imglora.models import resolve_model
+
+    for name in ("sdxl", "flux", "chroma"):
+        cfg = load_config(REPO / "presets" / f"tiny-{name}.toml", ['train.loss_type="huber"', "memory.fp8=false",
+                                                                    "memory.blocks_to_swap=0"])
+        family = registry.get(name)
+        trainable = family.load_trainable(resolve_model(cfg.model.path, family), cfg, torch.device("cpu"),
+                                          torch.float32)
+        batch = family.synthetic_batch(trainable, 64, cfg, torch.device("cpu"))
+        with torch.no_grad():
+            huber = trainable.loss(batch, torch.Generator().manual_seed(0))
+            trainable.train = cfg.replace(train={"loss_type": "l2"}).train
+            l2 = trainable.loss(batch, torch.Generator().manual_seed(0))
+        assert torch.isfinite(huber) and 0 < huber < l2, name  # c = 0.1..1: huber below the squared error
+    with pytest.raises(ConfigError, match=r"train.loss_type: the llm family trains on the answers' cross-entropy"):
+        load_config(REPO / "presets" / "tiny-llm.toml", ['train.loss_type="huber"'])

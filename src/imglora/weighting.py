@@ -9,6 +9,9 @@ latents) and calls these two functions, so the weighting is written once.
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import torch
 
 
@@ -23,6 +26,42 @@ def per_item_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | 
     if mask is not None:
         err = err * mask.to(err.dtype)
     return err.mean(dim=tuple(range(1, err.ndim)))
+
+
+def per_item_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None, train: Any,
+                  levels: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``train.loss_type``'s loss per batch item (kohya's ``conditional_loss``), masked and averaged
+    as :func:`per_item_mse`, which it is for l2 (the default: the same computation as before).
+
+    ``levels()`` gives each sample's noise level ``t`` in [0, 1] (SDXL: timestep / 1000; flow
+    matching: σ) and its noise-to-signal ratio of standard deviations (SDXL: sqrt((1 - ᾱ)/ᾱ), kohya's
+    "sigmas"; flow matching: σ/(1 - σ), the same quantity for x = (1 - σ)x₀ + σε, where kohya refuses
+    the snr schedule), for huber / smooth_l1's threshold (:func:`huber_threshold`); only then called."""
+    if train is None or train.loss_type == "l2":
+        return per_item_mse(pred, target, mask)
+    e = pred.float() - target.float()
+    if train.loss_type == "l1":
+        err = e.abs()
+    else:
+        c = huber_threshold(train, *levels()).to(e.device).view(-1, *([1] * (e.ndim - 1)))
+        root = torch.sqrt(e.pow(2) + c.pow(2)) - c
+        err = 2 * c * root if train.loss_type == "huber" else 2 * root
+    if mask is not None:
+        err = err * mask.to(err.dtype)
+    return err.mean(dim=tuple(range(1, err.ndim)))
+
+
+def huber_threshold(train: Any, t: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """The threshold c per sample, as kohya's ``get_huber_threshold_if_needed``: exponential
+    huber_c^t · huber_scale (kohya: exp(-αT) with α = -ln(huber_c)/1000, T = 1000t); snr
+    (1 - huber_c)/(1 + ratio)² + huber_c (huber_scale unused, as kohya's; c = huber_c where the
+    ratio is infinite, at a zero-terminal-SNR t = 999); constant huber_c · huber_scale."""
+    c = train.huber_c
+    if train.huber_schedule == "exponential":
+        return torch.exp(math.log(c) * t.float()) * train.huber_scale
+    if train.huber_schedule == "snr":
+        return (1 - c) / (1 + ratio.float()) ** 2 + c
+    return torch.full(t.shape, c * train.huber_scale, dtype=torch.float32, device=t.device)
 
 
 def batch_loss(per_item: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -3,9 +3,10 @@
 
 from ..errors import ConfigError
 from .loader import FamilyCatalog, from_dict, load, moved_keys, parse_override_value
+from .keys import field_help, resume_safe_keys
 from .schema import (REQUIRED, SCHEMA_VERSION, SECTIONS, BudgetConfig, CacheConfig, Config, DataConfig, DType,
                      DataSetConfig, EvalConfig, ExportConfig, LoraConfig, MemoryConfig, ModelConfig, RunConfig,
-                     TrainConfig, field_help, resume_safe_keys, setting)
+                     TrainConfig, setting)
 from .toml_io import dumps_toml
 
 __all__ = [

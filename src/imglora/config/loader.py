@@ -34,7 +34,8 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from ..errors import ConfigError
 from .checks import cross_checks
 from .checks import notes as config_notes
-from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config, list_item_class
+from .keys import list_item_class
+from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config
 
 Where = Callable[[str], str]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -271,6 +270,18 @@ class TrainConfig:
     batch_size: int = setting(1, help="Images per micro-batch.", min=1, max=1024)
     grad_accum: int = setting(1, help="Micro-batches per optimizer update.", min=1, max=1024)
     max_grad_norm: float = setting(1.0, help="Gradient clipping norm; 0 = off.", min=0.0, max=1e6)
+    loss_type: Literal["l2", "l1", "huber", "smooth_l1"] = setting(
+        "l2", help="The image families' per-element loss (kohya's loss_type): l2 (squared error), l1, huber "
+                   "(2c(sqrt(e² + c²) - c): quadratic for small errors e, linear for large) or smooth_l1 "
+                   "(2(sqrt(e² + c²) - c)); c per sample from huber_schedule.")
+    huber_schedule: Literal["snr", "exponential", "constant"] = setting(
+        "snr", help="huber / smooth_l1: c over noise levels, as kohya's: snr = (1 - huber_c)/(1 + σ)² + huber_c "
+                    "(σ: noise-to-signal ratio; near 1 at low noise, huber_c at high noise); exponential = "
+                    "huber_c^t · huber_scale (t: noise level in [0, 1]); constant = huber_c · huber_scale.")
+    huber_c: float = setting(0.1, help="huber / smooth_l1: the threshold c (kohya's huber_c).", min=0.0, max=1.0,
+                             min_exclusive=True)
+    huber_scale: float = setting(1.0, help="huber / smooth_l1: scale of c in the exponential and constant "
+                                           "schedules (kohya's huber_scale).", min=0.0, max=100.0, min_exclusive=True)
     seed: int = setting(42, help="Seed for data order, noise and LoRA init.", min=0, max=2**32 - 1)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = setting(
         "auto", help="auto = bf16 on CUDA, none on CPU.")
@@ -429,68 +440,3 @@ class Config:
         if sections is not None:
             d = {k: d[k] for k in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
-
-
-def list_item_class(tp: Any) -> type | None:
-    """The dataclass of a ``list[SomeConfig]`` field (a list of tables), else None."""
-    if typing.get_origin(tp) is list:
-        (item,) = typing.get_args(tp)
-        if dataclasses.is_dataclass(item):
-            return item
-    return None
-
-
-def resume_safe_keys(cfg: Config) -> set[str]:
-    """Dotted keys that may differ on ``--resume`` (fields marked ``resume_safe``); an item of a list
-    of tables is written ``data.sets[].dir``."""
-    out: set[str] = set()
-
-    def walk(prefix: str, cls: type) -> None:
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.type) or (isinstance(f.default_factory, type)
-                                                    and dataclasses.is_dataclass(f.default_factory)):
-                walk(f"{prefix}{f.name}.", f.default_factory if f.default_factory is not REQUIRED else f.type)
-            elif (item := list_item_class(typing.get_type_hints(cls)[f.name])) is not None:
-                walk(f"{prefix}{f.name}[].", item)  # data.sets[].dir: any item's dir
-            elif f.metadata.get("resume_safe"):
-                out.add(prefix + f.name)
-
-    for name, cls in SECTIONS.items():
-        walk(f"{name}.", cls)
-    if cfg.family is not None:
-        walk(f"{cfg.model.family}.", type(cfg.family))
-    return out
-
-
-def field_help(families: Any = None) -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every field, the families' own sections included (``families``:
-    the loader's family catalog). A key a list of tables also takes says so."""
-    from .toml_io import toml_value
-
-    rows: list[tuple[str, str, str]] = []
-
-    def walk(prefix: str, cls: type) -> None:
-        hints = typing.get_type_hints(cls)
-        also: dict[str, str] = {}
-        for f in dataclasses.fields(cls):
-            if (item := list_item_class(hints[f.name])) is not None and f.metadata.get("inherit"):
-                also.update({g.name: f" Also per [[{prefix}.{f.name}]] table." for g in dataclasses.fields(item)})
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(f"{prefix}.{f.name}", tp)
-                continue
-            if f.default is not REQUIRED:
-                default = toml_value(f.default)
-            elif f.default_factory is not REQUIRED:
-                default = toml_value(f.default_factory())
-            else:
-                default = "(required)"
-            rows.append((f"{prefix}.{f.name}", default, f.metadata["help"] + also.get(f.name, "")))
-
-    for name, cls in SECTIONS.items():
-        walk(name, cls)
-    for name in families.names() if families else ():
-        if (cls := families.section(name)) is not None:
-            walk(name, cls)
-    return rows

@@ -18,6 +18,7 @@ import torch
 
 from ...owned import own_module
 from .. import diffusers_image as common
+from ..flux import FluxFamily
 from ..flux import keys as flux_keys
 from ..flux import swap
 from . import comfyui, model, singlefile, tiny
@@ -37,14 +38,9 @@ class ChromaFamily:
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 16
     text_max_length = model.TEXT_MAX_LENGTH
-    # FLUX.1's block projections (Chroma's blocks have no modulation layers of their own).
-    lora_targets = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-        "proj_mlp", "proj_out",
-    )
-    lora_scope = r"(transformer_blocks|single_transformer_blocks)\.\d+\."
+    # FLUX.1's block projections (Chroma's blocks have no modulation layers of their own), in its blocks.
+    lora_targets = FluxFamily.lora_targets
+    lora_scope = FluxFamily.lora_scope
     quantize_exclude = ("x_embedder", "context_embedder", "distilled_guidance_layer*", "proj_out")
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")
@@ -63,16 +59,7 @@ class ChromaFamily:
     base_weights = common.base_weights
     default_prompts = common.default_prompts
 
-    def check_config(self, cfg: Any, where: Callable[[str], str], problems: list[str]) -> None:
-        common.check_config(self, cfg, where, problems)
-        f = cfg.family
-        if cfg.memory.blocks_to_swap and (f.double_blocks_to_swap >= 0 or f.single_blocks_to_swap >= 0):
-            problems.append(f"{where('memory.blocks_to_swap')}: give either memory.blocks_to_swap or "
-                            "chroma.double_blocks_to_swap/single_blocks_to_swap, not both")
-        form = self.export_formats[0] if cfg.export.format == "default" else cfg.export.format
-        if cfg.lora.type not in flux_keys.FORM_TYPES.get(form, (cfg.lora.type,)):
-            problems.append(f"{where('export.format')}: {flux_keys.KOHYA_FUSES}, and lora.type = {cfg.lora.type!r}; "
-                            "use export.format = \"default\" or lora.type = \"lora\"")
+    check_config = FluxFamily.check_config  # the swap split and the export forms, as FLUX.1's
 
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)

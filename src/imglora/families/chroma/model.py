@@ -93,7 +93,7 @@ def _meta(root: Path, dtype: torch.dtype) -> Any:
 def _trainable(transformer: Any, cfg: Any) -> "ChromaTrainable":
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    return ChromaTrainable(transformer, cfg.family)
+    return ChromaTrainable(transformer, cfg.family, cfg.train)
 
 
 def synthetic_batch(trainable: "ChromaTrainable", resolution: int, cfg: Any,
@@ -117,9 +117,10 @@ def text_mask(tokenizer_mask: torch.Tensor) -> torch.Tensor:
 
 
 class ChromaTrainable:
-    def __init__(self, transformer: Any, settings: Any):
+    def __init__(self, transformer: Any, settings: Any, train: Any = None):
         self.model = transformer
         self.settings = settings
+        self.train = train  # [train]: the loss type (None: l2)
         self.facts: dict[str, Any] = {"variant": "chroma"}
         self.mask: torch.Tensor | None = None  # this step's attention mask, for the single blocks
         for block in transformer.single_transformer_blocks:
@@ -147,4 +148,4 @@ class ChromaTrainable:
             attention_mask=self.mask,
             return_dict=False,
         )[0]
-        return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma)
+        return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma, self.train)

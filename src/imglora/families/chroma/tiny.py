@@ -7,10 +7,11 @@ from pathlib import Path
 
 from ...tiny import save_model, seeded
 from .. import tiny_parts as tp
+from ..flux.tiny import write_vae_and_scheduler
 
 
 def build(dest: Path, seed: int) -> None:
-    from diffusers import ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers import ChromaTransformer2DModel
     from transformers import T5Config, T5EncoderModel
 
     t5_vocab = tp.write_t5_tokenizer(dest / "tokenizer")
@@ -23,13 +24,7 @@ def build(dest: Path, seed: int) -> None:
         num_attention_heads=2, joint_attention_dim=t5.d_model, axes_dims_rope=(4, 6, 6),
         approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=2))
     save_model(transformer, dest / "transformer")
-    vae = seeded(seed, "vae", lambda: tp.vae(16, scaling_factor=0.3611, shift_factor=0.1159,
-                                            use_quant_conv=False, use_post_quant_conv=False))
-    save_model(vae, dest / "vae")
-    FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
-    ).save_pretrained(dest / "scheduler")
+    write_vae_and_scheduler(dest, seed)  # FLUX.1's VAE
     tp.write_model_index(dest, "ChromaPipeline", {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
         "text_encoder": ("transformers", "T5EncoderModel"),

@@ -26,7 +26,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    trainable = (cls or FluxTrainable)(transformer, cfg.family)
+    trainable = (cls or FluxTrainable)(transformer, cfg.family, cfg.train)
     trainable.facts.update(facts)
     return trainable
 
@@ -53,7 +53,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
         transformer = random_init(transformer, dtype)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    trainable = (cls or FluxTrainable)(transformer, cfg.family)
+    trainable = (cls or FluxTrainable)(transformer, cfg.family, cfg.train)
     if facts:
         trainable.facts["full_build"] = facts
     return trainable
@@ -122,14 +122,15 @@ def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, dev
 
 
 def flow_matching_loss(settings: Any, batch: dict[str, torch.Tensor], pred: torch.Tensor, noise: torch.Tensor,
-                       x0: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """The loss of a prediction of ``noise - x0`` on packed tokens: per element (the loss mask
-    packed as the latents), per item (weighted over noise levels), per batch (loss weights)."""
+                       x0: torch.Tensor, sigma: torch.Tensor, train: Any = None) -> torch.Tensor:
+    """The loss of a prediction of ``noise - x0`` on packed tokens: per element (``train.loss_type``,
+    the loss mask packed as the latents), per item (weighted over noise levels), per batch (loss
+    weights)."""
     latents = batch["latents"]
     mask = batch.get("loss_mask")
     if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
         mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
-    per_item = weighting.per_item_mse(pred, noise - x0, mask)
+    per_item = weighting.per_item_loss(pred, noise - x0, mask, train, lambda: (sigma, sigma / (1 - sigma)))
     if settings.loss_weighting == "sigma_sqrt":
         per_item = per_item * sigma.pow(-2.0)
     elif settings.loss_weighting == "cosmap":
@@ -151,10 +152,11 @@ def noised(settings: Any, latents: torch.Tensor, generator: Any) -> tuple[torch.
 class FluxTrainable:
     """The FLUX transformer and the flow-matching loss on cached latents and text embeddings."""
 
-    def __init__(self, transformer: Any, settings: Any):
+    def __init__(self, transformer: Any, settings: Any, train: Any = None):
         self.model = transformer
         self.text_encoders: dict[str, torch.nn.Module] = {}  # lora.text_encoder: the adapted CLIP-L
         self.settings = settings
+        self.train = train  # [train]: the loss type (None: l2)
         self.guidance = settings.guidance if transformer.config.guidance_embeds else None
         self.facts = {"variant": "dev" if transformer.config.guidance_embeds else "schnell"}
 
@@ -189,7 +191,7 @@ class FluxTrainable:
             img_ids=ids.to(dtype),
             return_dict=False,
         )[0][:, :x0.shape[1]]  # the prediction for the noisy tokens only
-        return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma)
+        return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma, self.train)
 
 
 def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type | None = None) -> "FluxTrainable":
@@ -205,7 +207,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type 
     transformer.requires_grad_(False)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    trainable = (cls or FluxTrainable)(transformer, cfg.family)
+    trainable = (cls or FluxTrainable)(transformer, cfg.family, cfg.train)
     if cfg.lora.text_encoder:
         from .. import diffusers_image
         from . import FluxFamily

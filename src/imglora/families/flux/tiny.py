@@ -10,7 +10,7 @@ from .. import tiny_parts as tp
 
 def build(dest: Path, seed: int, pipeline: str = "FluxPipeline") -> None:
     """``pipeline``: the model_index's class (a model on FLUX.1-dev's transformer, e.g. FLUX.1 Kontext)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
     clip_vocab = tp.write_clip_tokenizer(dest / "tokenizer", pad_token="<|endoftext|>")
@@ -31,13 +31,7 @@ def build(dest: Path, seed: int, pipeline: str = "FluxPipeline") -> None:
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     ))
     save_model(transformer, dest / "transformer")
-    vae = seeded(seed, "vae", lambda: tp.vae(16, scaling_factor=0.3611, shift_factor=0.1159,
-                                            use_quant_conv=False, use_post_quant_conv=False))
-    save_model(vae, dest / "vae")
-    FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
-    ).save_pretrained(dest / "scheduler")
+    write_vae_and_scheduler(dest, seed)
     tp.write_model_index(dest, pipeline, {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
         "text_encoder": ("transformers", "CLIPTextModel"),
@@ -47,3 +41,17 @@ def build(dest: Path, seed: int, pipeline: str = "FluxPipeline") -> None:
         "transformer": ("diffusers", "FluxTransformer2DModel"),
         "vae": ("diffusers", "AutoencoderKL"),
     })
+
+
+def write_vae_and_scheduler(dest: Path, seed: int) -> None:
+    """FLUX.1's 16-channel VAE (tiny) and its flow-matching scheduler: shared by the models on FLUX.1's
+    VAE (FLUX.1 Kontext, Chroma)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    vae = seeded(seed, "vae", lambda: tp.vae(16, scaling_factor=0.3611, shift_factor=0.1159,
+                                            use_quant_conv=False, use_post_quant_conv=False))
+    save_model(vae, dest / "vae")
+    FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    ).save_pretrained(dest / "scheduler")

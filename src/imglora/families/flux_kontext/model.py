@@ -15,12 +15,12 @@ from ..flux.model import synthetic_batch as flux_batch
 
 
 class KontextTrainable(FluxTrainable):
-    def __init__(self, transformer: Any, settings: Any):
+    def __init__(self, transformer: Any, settings: Any, train: Any = None):
         if not transformer.config.guidance_embeds:
             raise ModelSourceError("this transformer has no guidance embedding (a FLUX.1-schnell one); FLUX.1 Kontext "
                                    "[dev] is built on FLUX.1-dev: give black-forest-labs/FLUX.1-Kontext-dev or its "
                                    "flux1-kontext-dev.safetensors")
-        super().__init__(transformer, settings)
+        super().__init__(transformer, settings, train)
         self.facts = {"variant": "kontext-dev"}
 
     def reference_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

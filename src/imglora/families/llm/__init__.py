@@ -52,6 +52,9 @@ class LlmFamily:
         if not cfg.family.data_file:
             problems.append(f"{where('llm.data_file')}: missing required key for the llm family (a JSONL of "
                             "conversations)")
+        if cfg.train.loss_type != "l2":
+            problems.append(f"{where('train.loss_type')}: the llm family trains on the answers' cross-entropy; "
+                            "loss_type is for the image families: remove it")
 
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)

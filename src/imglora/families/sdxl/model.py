@@ -40,7 +40,7 @@ def load_trainable(src: "ModelSource", cfg: Any, dtype: torch.dtype) -> "SdxlTra
     # The training-time view of the noise schedule; the pipeline's sampler config only contributes
     # the betas and the prediction type.
     scheduler = DDPMScheduler.from_pretrained(src.root, subfolder="scheduler", **scheduler_overrides(src, cfg))
-    return SdxlTrainable(unet, scheduler, cfg.family)
+    return SdxlTrainable(unet, scheduler, cfg.family, cfg.train)
 
 
 def sampler_overrides(src: "ModelSource", cfg: Any) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
         unet.enable_gradient_checkpointing()
     scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                               num_train_timesteps=1000)
-    trainable = SdxlTrainable(unet, scheduler, cfg.family)
+    trainable = SdxlTrainable(unet, scheduler, cfg.family, cfg.train)
     if facts:
         trainable.facts["full_build"] = facts
     return trainable
@@ -126,8 +126,9 @@ class SdxlTrainable:
     """The UNet and the epsilon / v-prediction loss on cached latents and text embeddings (or, with
     lora.text_encoder, on embeddings the adapted text encoders give for the batch's tokens)."""
 
-    def __init__(self, unet: Any, scheduler: Any, settings: Any):
+    def __init__(self, unet: Any, scheduler: Any, settings: Any, train: Any = None):
         self.model = unet
+        self.train = train  # [train]: the loss type (None: l2)
         self.text_encoders: dict[str, torch.nn.Module] = {}
         self.prediction_type = scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -172,7 +173,8 @@ class SdxlTrainable:
             added_cond_kwargs={"text_embeds": batch["pooled_prompt_embeds"].to(dtype),
                                "time_ids": batch["time_ids"].to(dtype)},
         ).sample
-        per_item = weighting.per_item_mse(pred, target, batch.get("loss_mask"))
+        per_item = weighting.per_item_loss(pred, target, batch.get("loss_mask"), self.train, lambda: (
+            t.float() / self.num_timesteps, ((1 - abar) / abar).sqrt().view(n)))
         if self.min_snr_gamma:
             snr = abar.view(n) / (1 - abar.view(n))
             per_item = per_item * weighting.min_snr_weight(snr, self.min_snr_gamma, self.prediction_type)
@@ -194,7 +196,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTr
     if cfg.memory.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     scheduler = DDPMScheduler.from_config(DDPMScheduler.load_config(str(root), subfolder="scheduler"))
-    trainable = SdxlTrainable(unet, scheduler, cfg.family)
+    trainable = SdxlTrainable(unet, scheduler, cfg.family, cfg.train)
     if cfg.lora.text_encoder:
         from .. import diffusers_image
         from . import SdxlFamily
