@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
@@ -38,3 +39,35 @@ def test_lora_input_kept_in_the_autocast_dtype_changes_nothing_but_memory() -> N
     assert all(torch.equal(a, b) for a, b in zip(g_cast, g_keep))
     # peft's fp32 copy, cast back to bf16 by autocast, was saved for backward: one copy per layer
     assert saved_keep < saved_cast
+
+
+def test_loraplus_puts_the_b_matrices_at_the_ratio_and_records_it(tmp_path) -> None:
+    """LoRA+ (kohya's loraplus_lr_ratio): the B (up) matrices learn 16 times faster; A at the rate."""
+    import json as _json
+    from pathlib import Path as _Path
+
+    import torch as _torch
+
+    from imglora import loop
+    from imglora.commands.common import load_config
+    from imglora.config import ConfigError
+    from imglora.families import registry
+    from imglora.lora_metadata import adapter_type_metadata
+    from imglora.models import resolve_model
+
+    repo = _Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "presets" / "tiny-sdxl.toml", ["lora.loraplus_lr_ratio=16", "train.learning_rate=1e-3",
+                                                             "train.warmup_steps=0"])
+    family = registry.get("sdxl")
+    trainable = family.load_trainable(resolve_model(cfg.model.path, family), cfg, _torch.device("cpu"),
+                                      _torch.float32)
+    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=4, out=lambda s: None)
+    names = {id(p): n for n, p in session.model.named_parameters()}
+    groups = session.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [1e-3, 1.6e-2]
+    assert all(".lora_A." in names[id(p)] for p in groups[0]["params"])
+    assert all(".lora_B." in names[id(p)] for p in groups[1]["params"]) and groups[1]["params"]
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(session.params)
+    assert _json.loads(adapter_type_metadata(cfg, ["lora"])["ss_network_args"]) == {"loraplus_lr_ratio": "16"}
+    with pytest.raises(ConfigError, match=r"lora.loraplus_lr_ratio: applies to lora.type = 'lora' or 'dora' only"):
+        load_config(repo / "presets" / "tiny-sdxl.toml", ["lora.loraplus_lr_ratio=16", 'lora.type="loha"'])

@@ -126,13 +126,16 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
             memory.facts["norms_in_model_dtype"] = norms.install(trainable.model)
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
-    groups: list[Any] = params
+    plus = cfg.lora.loraplus_lr_ratio  # LoRA+: the B matrices in groups of their own
+    groups: list[Any] = params if not plus else lora.parameter_groups(trainable.model, cfg.train.learning_rate, plus)
     if encoders:  # their adapter in a parameter group of its own, at train.text_encoder_lr
         for encoder in encoders.values():
             encoder.train()
         text_params = [p for e in encoders.values() for p in lora.trainable_parameters(e)]
         text_lr = cfg.train.text_encoder_lr or cfg.train.learning_rate
-        groups = [{"params": params}, {"params": text_params, "lr": text_lr}]
+        groups = [{"params": params}, {"params": text_params, "lr": text_lr}] if not plus else [
+            *lora.parameter_groups(trainable.model, cfg.train.learning_rate, plus),
+            *(g for e in encoders.values() for g in lora.parameter_groups(e, text_lr, plus))]
         params = params + text_params
     optimizer = make_optimizer(cfg, groups)
     modes = optimizers.has_modes(optimizer)

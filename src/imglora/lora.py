@@ -142,6 +142,19 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def parameter_groups(model: nn.Module, lr: float, loraplus_lr_ratio: float = 0.0) -> list[dict[str, Any]]:
+    """The adapter's optimizer groups at ``lr``; with LoRA+ (Hayou et al. 2024, kohya's
+    ``loraplus_lr_ratio``) the B matrices (kohya's lora_up) in a group of their own at ``lr`` times the
+    ratio, everything else (A, DoRA's magnitudes) at ``lr``."""
+    if not loraplus_lr_ratio:
+        return [{"params": trainable_parameters(model), "lr": lr}]
+    up, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (up if ".lora_B." in name else rest).append(p)
+    return [g for g in ({"params": rest, "lr": lr}, {"params": up, "lr": lr * loraplus_lr_ratio}) if g["params"]]
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Adapter weights keyed by module path (``<module>.lora_A.weight``, ``<module>.hada_w1_a``, ...),
     detached, on the CPU."""

@@ -120,6 +120,9 @@ def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
         out |= {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args)}
     elif kind == "dora":
         out["ss_network_args"] = json.dumps({"dora_wd": "True"})
+    if lo.loraplus_lr_ratio:  # as kohya records it (a training setting: the file's tensors are the same)
+        args = json.loads(out.get("ss_network_args", "{}"))
+        out["ss_network_args"] = json.dumps({**args, "loraplus_lr_ratio": f"{lo.loraplus_lr_ratio:g}"})
     return out
 
 

@@ -127,9 +127,10 @@ def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     """Each [lora] key belongs to some adapter types; one set for another type is an error, not ignored."""
     lo, kind = cfg.lora, cfg.lora.type
     only = {"dropout": ("lora", "dora"), "rank_dropout": ("loha", "lokr"), "module_dropout": ("loha", "lokr"),
-            "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",)}
+            "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",),
+            "loraplus_lr_ratio": ("lora", "dora")}
     unset = {"dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "effective_conv2d": False, "factor": -1,
-             "decompose_both": False}
+             "decompose_both": False, "loraplus_lr_ratio": 0.0}
     for key, kinds in only.items():
         if kind not in kinds and getattr(lo, key) != unset[key]:
             hint = {"dropout": " (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)",

@@ -197,6 +197,9 @@ class LoraConfig:
     alpha: float = setting(0.0, help="Adapter alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
                            min=0.0, max=65536.0)
     dropout: float = setting(0.0, help="LoRA/DoRA: dropout on the adapter's input.", min=0.0, max=0.99)
+    loraplus_lr_ratio: float = setting(0.0, help="LoRA/DoRA: LoRA+ (kohya's and musubi-tuner's loraplus_lr_ratio): "
+                                                 "the B (up) matrices learn at this multiple of the learning rate "
+                                                 "(16 is common); 0 = off.", min=0.0, max=1000.0)
     targets: list[str] = setting([], help="Module names to adapt (peft target_modules); empty = the family's defaults.")
     conv_rank: int = setting(0, help="Rank of the adapted Conv2d layers (LyCORIS conv_dim); 0 = lora.rank.",
                              min=0, max=1024)

@@ -319,10 +319,12 @@ def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, c
         return pipe(**kwargs, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
                     generator=torch.Generator("cpu").manual_seed(seed)).images[0]
 
-    pipe.scheduler.set_timesteps(steps)  # (the pipeline sets them again on each call)
-    sample.settings = {"size": size, "steps": steps, "guidance": guidance,  # type: ignore[attr-defined]
-                       "timestep_spacing": pipe.scheduler.config.get("timestep_spacing"),
-                       "first_timestep": float(pipe.scheduler.timesteps[0])}
+    settings: dict[str, Any] = {"size": size, "steps": steps, "guidance": guidance}
+    if "timestep_spacing" in pipe.scheduler.config:  # a discrete-time schedule (SDXL's): where sampling starts
+        pipe.scheduler.set_timesteps(steps)  # (the pipeline sets them again on each call)
+        settings |= {"timestep_spacing": pipe.scheduler.config.timestep_spacing,
+                     "first_timestep": float(pipe.scheduler.timesteps[0])}
+    sample.settings = settings  # type: ignore[attr-defined]
     return sample
 
 
