@@ -40,9 +40,11 @@ TRIGGER = "sks toy"
 
 
 def base_model(family: str):
-    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel, UNet2DConditionModel
+    from diffusers import (ChromaTransformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
+                           UNet2DConditionModel)
 
-    cls = {"sdxl": UNet2DConditionModel, "chroma": ChromaTransformer2DModel}.get(family, FluxTransformer2DModel)
+    cls = {"sdxl": UNet2DConditionModel, "chroma": ChromaTransformer2DModel,
+           "qwen_image": QwenImageTransformer2DModel}.get(family, FluxTransformer2DModel)
     return cls.from_pretrained(resolve_model(f"tiny:{family}", get_family(family)).root, subfolder=get_family(family).denoiser).eval()
 
 
@@ -243,6 +245,33 @@ def test_chroma_export_maps_in_comfyui_as_fluxs_with_exact_deltas(tmp_path) -> N
     assert_deltas_equal(deltas, trained_deltas(model))
     meta = header(tmp_path / "c.safetensors")
     assert meta["ss_base_model_version"] == "chroma" and "ss_guidance_scale" not in meta
+
+
+def qwen_image_key_map(transformer: nn.Module):
+    """ComfyUI's names for a Qwen-Image weight ``<p>`` (its modules are diffusers' one to one):
+    ``diffusion_model.<p>`` and ``lora_unet_<p, _>`` (model_lora_keys_unet's loop for every model),
+    ``<p>``, ``transformer.<p>`` and ``lycoris_<p, _>`` (its QwenImage branch)."""
+    out = {}
+    for form in (lambda n: f"diffusion_model.{n}", lambda n: "lora_unet_" + n.replace(".", "_"), lambda n: n,
+                 lambda n: f"transformer.{n}", lambda n: "lycoris_" + n.replace(".", "_")):
+        out |= module_key_map(transformer, form, types=(nn.Linear,))
+    return out
+
+
+@pytest.mark.parametrize("fmt, pattern", [
+    ("default", r"^diffusion_model\.transformer_blocks\.\d+\.[a-z0-9_.]+\.(lora_down\.weight|lora_up\.weight|alpha)$"),
+    ("kohya", r"^lora_unet_transformer_blocks_\d+_[a-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)$")])
+def test_qwen_image_export_maps_in_comfyui_with_exact_deltas(fmt: str, pattern: str, tmp_path) -> None:
+    run, model = make_run(tmp_path, "qwen_image", rank=4, alpha=6.0)
+    sd = tensors_of(export_run(run, out=tmp_path / "q.safetensors", fmt=fmt, dtype="fp32").path)
+    assert sd and all(re.match(pattern, k) for k in sd), [k for k in sd if not re.match(pattern, k)][:5]
+    deltas, not_loaded = comfy_load(sd, qwen_image_key_map(base_model("qwen_image")))
+    assert not not_loaded, sorted(not_loaded)[:5]
+    assert_deltas_equal(deltas, trained_deltas(model))
+    last = len(model.transformer_blocks) - 1  # its text stream's outputs are never read: not adapted
+    assert f"transformer_blocks.{last}.txt_mlp.net.2" not in deltas and f"transformer_blocks.{last}.attn.add_q_proj" in deltas
+    meta = header(tmp_path / "q.safetensors")
+    assert meta["ss_base_model_version"] == "qwen_image" and meta["ss_timestep_sampling"] == "shift"
 
 
 def test_bf16_export_is_the_trained_weights_rounded_once(flux_run, tmp_path) -> None:

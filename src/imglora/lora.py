@@ -63,6 +63,10 @@ def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | N
                       use_effective_conv2d=s.effective_conv2d, target_modules=targets, init_weights=True)
         config = (LoHaConfig(**common) if s.type == "loha" else
                   LoKrConfig(**common, decompose_both=s.decompose_both, decompose_factor=s.factor))
+    if model is not None and hasattr(family, "unused_outputs"):
+        # Layers whose output the model throws away (Qwen-Image's last block's text stream) would
+        # get no gradient: an adapter there only costs memory and exports zero deltas.
+        config.exclude_modules = family.unused_outputs(model) or None
     conv_rank, conv_alpha = conv_settings(s)
     if model is not None and (conv_rank, conv_alpha) != (s.rank, s.alpha):
         from peft.tuners.tuners_utils import check_target_module_exists

@@ -17,10 +17,11 @@ from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .flux_kontext import FluxKontextFamily
 from .llm import LlmFamily
+from .qwen_image import QwenImageFamily
 from .sdxl import SdxlFamily
 
 FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
-                             "chroma": ChromaFamily, "llm": LlmFamily}
+                             "chroma": ChromaFamily, "qwen_image": QwenImageFamily, "llm": LlmFamily}
 
 
 class Registry:

@@ -115,6 +115,56 @@ def write_t5_tokenizer(folder: Path) -> int:
     return len(pieces)
 
 
+# Qwen2's pre-tokenizer split (its tokenizer.json), then byte-level BPE.
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2.5-VL's special tokens in their order (ids after the vocabulary, as the real tokenizer has them).
+QWEN2_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def write_qwen2_tokenizer(folder: Path, words: tuple[str, ...] = ()) -> int:
+    """Qwen2's layout (vocab.json + merges.txt + tokenizer.json + tokenizer_config.json): byte-level
+    BPE whose merges make each of ``_WORDS`` and ``words`` one token, alone and after a space (``Ġ``),
+    then Qwen2.5-VL's special tokens. A chat template's words given in ``words`` tokenize as the real
+    tokenizer cuts them (e.g. Qwen-Image's template prefix is 34 tokens, as with the real one).
+    Returns the vocab size, special tokens included."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    b2u = _bytes_to_unicode()
+    space = b2u[ord(" ")]
+    ranks: dict[tuple[str, str], int] = {}
+    for word in dict.fromkeys([*_WORDS, *words]):
+        for form in (word, space + word):
+            while len(pieces := _bpe(list(form), ranks)) > 1:
+                ranks[(pieces[0], pieces[1])] = len(ranks)
+    vocab = {t: i for i, t in enumerate(dict.fromkeys([b2u[b] for b in range(256)] + [a + b for a, b in ranks]))}
+    tok = Tokenizer(BPE(vocab=vocab, merges=list(ranks), byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(QWEN2_SPECIAL))
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in ranks) + "\n",
+                                       encoding="utf-8")
+    added = {str(len(vocab) + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                   "single_word": False, "special": True} for i, t in enumerate(QWEN2_SPECIAL)}
+    _write_json(folder / "tokenizer_config.json", {
+        "add_prefix_space": False, "added_tokens_decoder": added, "additional_special_tokens": list(QWEN2_SPECIAL[1:]),
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "errors": "replace", "model_max_length": 131072, "split_special_tokens": False,
+        "clean_up_tokenization_spaces": False, "tokenizer_class": "Qwen2Tokenizer",
+    })
+    return len(vocab) + len(QWEN2_SPECIAL)
+
+
 # --- models ------------------------------------------------------------------------------------
 
 

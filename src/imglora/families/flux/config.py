@@ -9,9 +9,9 @@ from ...config import setting
 
 
 @dataclass(frozen=True)
-class FlowMatchingConfig:
-    """The keys of a FLUX-style flow-matching transformer: timesteps, loss weighting, the swap split
-    (FLUX.1's, and the families on its architecture)."""
+class FlowMatchingObjective:
+    """The keys of a flow-matching objective on packed latents: how timesteps are drawn and how the
+    loss is weighted over them (FLUX.1's, and the families trained the same way)."""
 
     timestep_sampling: Literal["sigmoid", "logit_normal", "uniform", "shift"] = setting(
         "shift", help="How training timesteps are drawn.", moved_from="train.timestep_sampling")
@@ -25,6 +25,13 @@ class FlowMatchingConfig:
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = setting(
         "none", help="Weighting of the flow-matching loss over noise levels (as SD3 / kohya).",
         moved_from="train.loss_weighting")
+
+
+@dataclass(frozen=True)
+class FlowMatchingConfig(FlowMatchingObjective):
+    """FLUX.1's architecture: the objective's keys and the split of swapped blocks between its double
+    and single blocks (FLUX.1's, and the families on its architecture)."""
+
     double_blocks_to_swap: int = setting(-1, help="Double blocks to swap, set directly; -1 = from "
                                                   "memory.blocks_to_swap (kohya's count).", min=-1, max=1000,
                                          resume_safe=True, moved_from="memory.double_blocks_to_swap")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -102,9 +102,11 @@ def resolution_shift_mu(image_seq_len: int) -> float:
     return 0.5 + (1.15 - 0.5) * (image_seq_len - 256) / (4096 - 256)
 
 
-def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, device: torch.device) -> torch.Tensor:
+def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, device: torch.device,
+                  shift_mu: Callable[[int], float] = resolution_shift_mu) -> torch.Tensor:
     """Noise levels σ ∈ (0, 1) for flow matching (kohya sd-scripts' options, same formulas).
-    ``generator``: a ``torch.Generator`` or an ``imglora.rng`` per-sample source."""
+    ``generator``: a ``torch.Generator`` or an ``imglora.rng`` per-sample source; ``shift_mu``: the
+    model's resolution-dependent shift (FLUX.1-dev's by default)."""
     rng = draws(generator)
     kind = settings.timestep_sampling
     if kind == "uniform":
@@ -115,7 +117,7 @@ def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, dev
     if kind == "sigmoid":
         return s
     if settings.resolution_dependent_shift:
-        mu = resolution_shift_mu(image_seq_len)
+        mu = shift_mu(image_seq_len)
         return math.exp(mu) / (math.exp(mu) + (1 / s - 1))
     shift = settings.discrete_flow_shift
     return s * shift / (1 + (shift - 1) * s)
@@ -138,13 +140,14 @@ def flow_matching_loss(settings: Any, batch: dict[str, torch.Tensor], pred: torc
     return weighting.batch_loss(per_item, batch)
 
 
-def noised(settings: Any, latents: torch.Tensor, generator: Any) -> tuple[torch.Tensor, ...]:
+def noised(settings: Any, latents: torch.Tensor, generator: Any,
+           shift_mu: Callable[[int], float] = resolution_shift_mu) -> tuple[torch.Tensor, ...]:
     """(x0, noise, sigma, noisy): the packed latents, the noise and noise levels drawn (noise first,
     then σ, from ``generator``), and the point between them that the transformer denoises."""
     n = latents.shape[0]
     x0 = pack_latents(latents)
     noise = draws(generator).randn(x0.shape, device=latents.device, dtype=x0.dtype)
-    sigma = sample_sigmas(n, settings, x0.shape[1], generator, latents.device)
+    sigma = sample_sigmas(n, settings, x0.shape[1], generator, latents.device, shift_mu)
     s = sigma.view(n, 1, 1)
     return x0, noise, sigma, (1 - s) * x0 + s * noise
 

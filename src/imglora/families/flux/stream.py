@@ -16,7 +16,7 @@ import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -49,10 +49,11 @@ def transformer_files(root: Path) -> dict[str, Path]:
 
 
 def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | None = None,
-                            model_class: str = "FluxTransformer2DModel") -> Any:
-    """FluxTransformer2DModel (or ``model_class``, a transformer with FLUX.1's block lists: Chroma's)
-    from a diffusers folder, built block by block as :func:`~.singlefile.load_flux_transformer`
-    builds it from a BFL file."""
+                            model_class: str = "FluxTransformer2DModel",
+                            blocks: Mapping[str, str] = _BLOCKS) -> Any:
+    """FluxTransformer2DModel (or ``model_class``: Chroma's, or any diffusers transformer whose
+    block lists ``blocks`` names, {kind: attribute}) from a diffusers folder, built block by block
+    as :func:`~.singlefile.load_flux_transformer` builds it from a BFL file."""
     files = transformer_files(root)
     model = meta_model(root, model_class)
     model.requires_grad_(False)  # frozen before assign (assign keeps the meta parameters' flag)
@@ -61,7 +62,7 @@ def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | 
         missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
         raise ModelSourceError(f"{root / 'transformer'}: the weights do not match its config.json (missing "
                                f"{missing[:4]}, unexpected {extra[:4]})")
-    block_keys = tuple(f"{name}." for name in _BLOCKS.values())
+    block_keys = tuple(f"{name}." for name in blocks.values())
     with ExitStack() as stack:
         readers: dict[Path, Any] = {}
 
@@ -73,7 +74,7 @@ def load_folder_transformer(root: Path, dtype: torch.dtype, on_block: OnBlock | 
 
         model.load_state_dict({k: read(k) for k in files if not k.startswith(block_keys)}, strict=False, assign=True)
         own_module(model)
-        for kind, name in _BLOCKS.items():
+        for kind, name in blocks.items():
             for index, block in enumerate(getattr(model, name)):
                 pre = f"{name}.{index}."
                 block.load_state_dict({k[len(pre):]: read(k) for k in files if k.startswith(pre)}, strict=True,
@@ -95,11 +96,11 @@ def meta_model(root: Path, model_class: str = "FluxTransformer2DModel") -> Any:
 
 
 def _read_source(src: Any, dtype: torch.dtype, on_block: OnBlock, model_class: str,
-                 file_reader: Callable[..., Any] | None) -> Any:
-    if src.files:  # a BFL-layout file: FLUX.1's, or (file_reader) another family's with FLUX.1's blocks
+                 file_reader: Callable[..., Any] | None, blocks: Mapping[str, str]) -> Any:
+    if src.files:  # a BFL-layout file: FLUX.1's, or (file_reader) another family's single file
         return (file_reader or load_flux_transformer)(src.files["transformer"], src.root, dtype=dtype,
                                                       on_block=on_block)
-    return load_folder_transformer(src.root, dtype, on_block, model_class)
+    return load_folder_transformer(src.root, dtype, on_block, model_class, blocks)
 
 
 def _source_checksums(src: Any) -> dict[str, str]:
@@ -110,11 +111,13 @@ def _source_checksums(src: Any) -> dict[str, str]:
 
 def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, swapped: set[tuple[str, int]],
                      exclude: tuple[str, ...], model_class: str = "FluxTransformer2DModel",
-                     file_reader: Callable[..., Any] | None = None) -> tuple[Any, dict[str, Any]]:
+                     file_reader: Callable[..., Any] | None = None,
+                     blocks: Mapping[str, str] = _BLOCKS) -> tuple[Any, dict[str, Any]]:
     """The transformer of ``src`` (files or a folder), each block quantized (``memory.fp8``) and
     placed as it is read (``swapped``: the (kind, index) of blocks kept on the host); the quantized
     model cached as the module docstring says. Returns the model and facts for the run record.
-    ``model_class``: the diffusers class (one with FLUX.1's block lists, e.g. Chroma's);
+    ``model_class``: the diffusers class (one with FLUX.1's block lists, e.g. Chroma's, or one with
+    the block lists ``blocks`` names, {kind: attribute}, e.g. Qwen-Image's);
     ``file_reader``: how its single file is read (``load_flux_transformer`` by default)."""
     from ...memory import quantized_cache
     from ...memory.fp8 import quantize_fp8, to_device
@@ -126,7 +129,7 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
             to_device(block, device)
 
     if not cfg.memory.fp8:
-        return _read_source(src, dtype, place, model_class, file_reader), {}
+        return _read_source(src, dtype, place, model_class, file_reader, blocks), {}
     facts: dict[str, Any] = {}
     entry = None
     if cfg.cache.quantized_base:
@@ -140,9 +143,9 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
         facts["quantized_cache"] = {"entry": str(entry)}
         if (entry / "entry.json").is_file():
             model = meta_model(src.root, model_class)
-            parts = [(f"{name}.{i}.", block) for kind, name in _BLOCKS.items()
+            parts = [(f"{name}.{i}.", block) for kind, name in blocks.items()
                      for i, block in enumerate(getattr(model, name))]
-            kinds = {f"{name}.{i}.": (kind, i) for kind, name in _BLOCKS.items()
+            kinds = {f"{name}.{i}.": (kind, i) for kind, name in blocks.items()
                      for i in range(len(getattr(model, name)))}
             try:
                 quantized_cache.load(entry, model, parts, dtype, lambda p, block: place(*kinds[p], block))
@@ -156,14 +159,14 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
     def ready(kind: str, index: int, block: torch.nn.Module) -> None:
         if gpu:
             to_device(block, device)
-        quantize_fp8(block, exclude, prefix=f"{_BLOCKS[kind]}.{index}.")
+        quantize_fp8(block, exclude, prefix=f"{blocks[kind]}.{index}.")
         if entry is not None:
-            writer.add(f"{_BLOCKS[kind]}.{index}.", block)
+            writer.add(f"{blocks[kind]}.{index}.", block)
         if gpu and (kind, index) in swapped:
             to_device(block, "cpu")
 
     try:
-        model = _read_source(src, dtype, ready, model_class, file_reader)
+        model = _read_source(src, dtype, ready, model_class, file_reader, blocks)
         if entry is not None:
             writer.finish(model)
             facts["quantized_cache"].update(hit=False, bytes=writer.bytes)

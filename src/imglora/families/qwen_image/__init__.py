@@ -1,0 +1,189 @@
+"""Qwen-Image (Qwen/Qwen-Image, 20B): a dual-stream MMDiT of 60 blocks conditioned on Qwen2.5-VL's
+hidden states of the caption in a chat template, with its own 3D-causal VAE (16 latent channels,
+normalised by per-channel statistics), no pooled text vector and no guidance embedding; sampled with
+real classifier-free guidance.
+
+In this folder: the loss and text encoding (``model``), its section (``config``), the export key
+forms (``keys``: ComfyUI names its modules as diffusers does), its ComfyUI workflow (``comfyui``), its
+tiny model (``tiny``), the shipped architecture (``configs``). Its one block list swaps block by
+block (``memory.blocks_to_swap`` counts blocks, as musubi-tuner does); the transformer is read block
+by block through FLUX.1's streamed reader, each block quantized with memory.fp8 as it is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ...errors import ImgloraError
+from ...owned import own_module
+from .. import diffusers_image as common
+from . import comfyui, keys, model, tiny
+from .config import QwenImageConfig
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ...source import ModelSource
+
+
+class QwenImageFamily:
+    name = "qwen_image"
+    section = QwenImageConfig
+    model_marker = "model_index.json"
+    adapter_file = common.ADAPTER_FILE
+    adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
+    bucket_step = 16  # the VAE's 8× and the transformer's 2×2 patches
+    text_max_length = model.TEXT_MAX_LENGTH
+    # Every projection of the image and text streams inside the blocks (ai-toolkit's and musubi-tuner's
+    # set less the modulation layers, as for FLUX.1).
+    lora_targets = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+    lora_scope = r"transformer_blocks\.\d+\."
+    # Kept in the load precision under fp8: the embedders, the final layers, and the per-block
+    # modulation (small, and its shifts/scales/gates act on every token).
+    quantize_exclude = ("img_in", "txt_in", "txt_norm", "time_text_embed*", "norm_out*", "proj_out", "*img_mod*",
+                        "*txt_mod*")
+    quantizations: tuple[str, ...] = ()
+    adapter_types = ("lora", "dora", "loha", "lokr")
+    swappable_blocks = ("transformer_blocks",)
+    streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term
+    export_formats = keys.FORMATS
+    pipeline = "QwenImagePipeline"
+    denoiser = "transformer"
+
+    prepare_data = common.prepare_data
+    data_version = common.data_version
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    base_weights = common.base_weights
+    default_prompts = common.default_prompts
+
+    def check_config(self, cfg: Any, where: Callable[[str], str], problems: list[str]) -> None:
+        common.check_config(self, cfg, where, problems)
+
+    def unused_outputs(self, transformer: torch.nn.Module) -> list[str]:
+        """The last block's text-stream outputs (its attention's text projection out and its text
+        MLP): the transformer discards the text stream after the last block, so these layers get no
+        gradient and take no adapter (ai-toolkit and musubi-tuner adapt them, and save zeros)."""
+        return model.unused_outputs(transformer)
+
+    def build_tiny(self, dest: Path, seed: int) -> None:
+        tiny.build(dest, seed)
+
+    def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return model.collate(entries)
+
+    # -- cache ------------------------------------------------------------------------------
+    def text_folders(self, src: "ModelSource") -> list[Path]:
+        return [src.root / "text_encoder", src.root / "tokenizer"]
+
+    def vae_folders(self, src: "ModelSource") -> list[Path]:
+        return [src.root / "vae"]
+
+    def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import AutoencoderKLQwenImage
+
+        vae = AutoencoderKLQwenImage.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
+        return own_module(vae).to(device).eval()
+
+    @torch.no_grad()
+    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        # One frame of the 3D VAE: [B, C, 1, H, W]; the posterior's mean, normalised per channel.
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mean
+        return {"latents": model.normalize_latents(latents, vae.config)[0].float().cpu()}
+
+    def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(src.root, subfolder="text_encoder",
+                                                                     torch_dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+        return tokenizer, own_module(encoder).to(device).eval()
+
+    @torch.no_grad()
+    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        tokenizer, encoder = encoders
+        return {"prompt_embeds": model.encode_caption(tokenizer, encoder, caption, max_length).float().cpu()}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        # The caption's tokens inside the template (the template's own are not counted against the limit).
+        n = len(encoders[0](model.TEMPLATE.format(caption)).input_ids) - model.TEMPLATE_TOKENS
+        return {"Qwen2.5-VL": (n, max_length)}
+
+    # -- training ---------------------------------------------------------------------------
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
+                       blocks_to_swap: int | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
+
+    def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
+        return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
+
+    def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        return model.synthetic_batch(trainable, resolution, cfg, device)
+
+    # -- block swapping: one list, counted directly ----------------------------------------------
+    def block_counts(self, src: "ModelSource") -> list[int]:
+        return model.block_counts(src.root)
+
+    def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
+        n = cfg.memory.blocks_to_swap if override is None else override
+        if n > lengths[0]:
+            raise ImgloraError(f"memory.blocks_to_swap = {n}, but Qwen-Image has only {lengths[0]} blocks (it counts "
+                               f"blocks one by one); the largest valid number is {lengths[0]}")
+        return [n]
+
+    # -- evaluation -------------------------------------------------------------------------
+    def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
+        """Each prompt's hidden states, with the negative prompt's (real CFG needs both)."""
+        encoded = common.encode_prompts(self, src, [*prompts, comfyui.NEGATIVE], cfg, device)
+        negative = {f"negative_{k}": v for k, v in encoded[-1].items()}
+        return [{**e, **negative} for e in encoded[:-1]]
+
+    def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Callable[..., Any]:
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()
+        pipe = diffusers.QwenImagePipeline.from_pretrained(src.root, vae=self.load_vae(src, device, dtype),
+                                                           text_encoder=None, tokenizer=None, transformer=denoiser)
+        pipe.set_progress_bar_config(disable=True)
+        size = common.sample_size(cfg, self)
+        guidance = cfg.eval.guidance_scale or comfyui.SAMPLING.cfg
+        steps = cfg.eval.sample_steps
+
+        @torch.no_grad()
+        def sample(e: dict[str, torch.Tensor], seed: int) -> "Image.Image":
+            t = denoiser.dtype
+
+            def ones(x: torch.Tensor) -> torch.Tensor:
+                return torch.ones(1, x.shape[0], dtype=torch.long, device=device)
+
+            return pipe(prompt_embeds=e["prompt_embeds"][None].to(device, t), prompt_embeds_mask=ones(e["prompt_embeds"]),
+                        negative_prompt_embeds=e["negative_prompt_embeds"][None].to(device, t),
+                        negative_prompt_embeds_mask=ones(e["negative_prompt_embeds"]),
+                        true_cfg_scale=guidance, height=size, width=size, num_inference_steps=steps,
+                        generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+
+        sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
+        return sample
+
+    # -- export -------------------------------------------------------------------------------
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt, base)
+
+    def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+        return keys.metadata(cfg, record)
+
+    def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
+                      with_clip: bool, model: Any = None) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, model=model)

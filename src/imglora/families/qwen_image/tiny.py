@@ -1,0 +1,51 @@
+"""The tiny Qwen-Image model (``tiny:qwen_image``): the real layout (a Qwen2.5-VL text encoder with
+its vision tower, a Qwen2 tokenizer, Qwen-Image's 3D-causal VAE and transformer, the real scheduler
+config), tiny widths, random weights (see ``imglora.tiny``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ...tiny import save_model, seeded
+from .. import tiny_parts as tp
+from .model import CONFIGS
+
+# The words of QwenImagePipeline's chat template, so it tokenizes as the real tokenizer cuts it
+# (34 tokens before the caption, 5 after).
+TEMPLATE_WORDS = ("system", "user", "assistant", "Describe", "image", "by", "detailing", "color", "shape", "size",
+                  "texture", "quantity", "text", "spatial", "relationships", "objects")
+
+
+def build(dest: Path, seed: int) -> None:
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = tp.write_qwen2_tokenizer(dest / "tokenizer", TEMPLATE_WORDS)
+    special = {t: vocab - len(tp.QWEN2_SPECIAL) + i for i, t in enumerate(tp.QWEN2_SPECIAL)}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, tie_word_embeddings=False,
+                         bos_token_id=special["<|endoftext|>"], eos_token_id=special["<|im_end|>"]),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
+        bos_token_id=special["<|endoftext|>"], eos_token_id=special["<|im_end|>"])
+    save_model(seeded(seed, "text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(config)), dest / "text_encoder")
+    # The 3D-causal VAE at the real model's depth (3 downsamplings: 8×), tiny widths; the real latent
+    # statistics (its config's defaults).
+    save_model(seeded(seed, "vae", lambda: AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2],
+                                                                   num_res_blocks=1)), dest / "vae")
+    save_model(seeded(seed, "transformer", lambda: QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=config.text_config.hidden_size, axes_dims_rope=(4, 6, 6))), dest / "transformer")
+    shutil.copytree(CONFIGS / "scheduler", dest / "scheduler")  # the real model's scheduler
+    tp.write_model_index(dest, "QwenImagePipeline", {
+        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+        "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+        "tokenizer": ("transformers", "Qwen2Tokenizer"),
+        "transformer": ("diffusers", "QwenImageTransformer2DModel"),
+        "vae": ("diffusers", "AutoencoderKLQwenImage"),
+    })
