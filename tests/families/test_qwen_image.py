@@ -212,3 +212,67 @@ def test_the_comfyui_workflow_loads_the_split_files_and_samples_with_real_cfg() 
     assert (k["steps"], k["cfg"], k["sampler_name"], k["scheduler"]) == (20, 2.5, "euler", "simple")
     aura = next(i for i, v in api.items() if v["class_type"] == "ModelSamplingAuraFlow")
     assert k["model"] == [aura, 0]  # the LoRA'd model goes through the shift node to the sampler
+
+
+@pytest.fixture(scope="module")
+def qwen_run(tmp_path_factory, sample_dataset):
+    """4 updates with the preset's FP8 base and a swapped block, batch 2 (captions of other lengths
+    padded and masked), a checkpoint every 2."""
+    from imglora.commands.train import train
+
+    root = tmp_path_factory.mktemp("qwen")
+    data = root / "data"
+    data.mkdir()
+    for stem in ("01_sky", "02_grass", "03_table", "04_wall"):
+        for f in sample_dataset.glob(f"{stem}.*"):
+            shutil.copy(f, data / f.name)
+    q = lambda p: json.dumps(str(p))  # noqa: E731
+    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}", f"run.output_dir={q(root / 'runs')}",
+                               "data.buckets=false", "data.resolution=64", "train.batch_size=2", "train.max_steps=4",
+                               "train.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=2",
+                               "eval.strengths=[0, 1]", "eval.sample_steps=2"])
+    assert cfg.memory.fp8 and cfg.memory.blocks_to_swap == 1
+    return cfg, train(cfg, out=lambda s: None)
+
+
+def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(qwen_run, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from imglora.commands.train import train
+
+    cfg, result = qwen_run
+    resumed = cfg.replace(run={"output_dir": str(tmp_path), "name": "resumed"})
+    shutil.copytree(cfg.run_dir, resumed.run_dir)
+    shutil.rmtree(resumed.run_dir / "adapter")
+    shutil.rmtree(resumed.run_dir / "checkpoints" / "step-000004")
+    lines = resumed.run_dir / "log.jsonl"
+    lines.write_text("".join(x + "\n" for x in lines.read_text().splitlines()[:2]))
+    again = train(resumed, resume=True, out=lambda s: None)
+    a, b = load_file(str(result.adapter)), load_file(str(again.adapter))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = lambda run: [json.loads(x)["loss"] for x in (run / "log.jsonl").read_text().splitlines()]  # noqa: E731
+    assert losses(resumed.run_dir) == losses(cfg.run_dir) and len(losses(cfg.run_dir)) == 4
+
+
+def test_eval_at_strength_0_is_the_base_pipeline_with_real_cfg(qwen_run) -> None:
+    import numpy as np
+    from diffusers import QwenImagePipeline
+    from PIL import Image
+
+    from imglora.commands.evaluate import evaluate
+
+    cfg, _ = qwen_run
+    result = evaluate(cfg.run_dir, overrides=['eval.fp8="off"', "eval.blocks_to_swap=0"], out=lambda s: None)
+    (step,) = result.images
+    prompt = registry.get("qwen_image").default_prompts(cfg)[0]
+    pipe = QwenImagePipeline.from_pretrained(resolve_model("tiny:qwen_image", registry.get("qwen_image")).root)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            own_module(component)
+    pipe.set_progress_bar_config(disable=True)
+    side = cfg.data.resolution
+    base = pipe(prompt=prompt, negative_prompt=" ", true_cfg_scale=2.5, height=side, width=side, num_inference_steps=2,
+                generator=torch.Generator().manual_seed(0)).images[0]
+    got = [np.asarray(Image.open(p).convert("RGB")) for p in result.images[step][0]]
+    assert got[0].shape == (side, side, 3) and np.array_equal(got[0], np.asarray(base))
+    assert not np.array_equal(got[1], np.asarray(base))  # the adapter at strength 1 changes the image

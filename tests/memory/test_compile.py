@@ -106,7 +106,7 @@ def test_sdxl_compiles_its_transformer_and_resnet_blocks() -> None:
 
 def test_a_family_without_blocks_to_compile_is_refused() -> None:
     with pytest.raises(ConfigError, match=r'memory.compile: compiled blocks are implemented for the sdxl, flux, '
-                                          r'flux_kontext and chroma families; set it to "none" for llm'):
+                                          r'flux_kontext, chroma and qwen_image families; set it to "none" for llm'):
         load_config(REPO / "presets" / "tiny-llm.toml", ['memory.compile="blocks"'])
     with pytest.raises(ConfigError, match=r"memory.compile_mode: expected one of 'default', "
                                           r"'max-autotune-no-cudagraphs', got the string \"reduce-overhead\""):
@@ -150,6 +150,7 @@ def _close(a: list[float], b: list[float], rtol: float) -> bool:
     # (measured: 1.3e-4 over 4 updates on the sample data).
     ("tiny-flux", ("memory.fp8_compute=true",), 1e-3),
     ("tiny-sdxl", (), 1e-5),
+    ("tiny-qwen-image", (), 1e-5),  # fp8 + 1 swapped block + offloaded checkpoints, one block kind
 ])
 def test_compiled_blocks_train_what_eager_trains(small_run, preset, extra, rtol) -> None:
     eager, a = _run(small_run, preset, "eager", *extra)

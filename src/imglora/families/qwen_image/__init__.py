@@ -45,13 +45,14 @@ class QwenImageFamily:
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
     lora_scope = r"transformer_blocks\.\d+\."
-    # Kept in the load precision under fp8: the embedders, the final layers, and the per-block
-    # modulation (small, and its shifts/scales/gates act on every token).
-    quantize_exclude = ("img_in", "txt_in", "txt_norm", "time_text_embed*", "norm_out*", "proj_out", "*img_mod*",
-                        "*txt_mod*")
+    # Kept in the load precision under fp8: the embedders and the final layers (as for FLUX.1). The
+    # blocks' modulation layers are quantized: they are a third of the model's weights (2 × 3072 × 18432
+    # per block), and musubi-tuner and ai-toolkit quantize them too.
+    quantize_exclude = ("img_in", "txt_in", "txt_norm", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")
     swappable_blocks = ("transformer_blocks",)
+    compile_blocks = ("QwenImageTransformerBlock",)  # memory.compile = "blocks"
     streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term
     export_formats = keys.FORMATS
     pipeline = "QwenImagePipeline"
