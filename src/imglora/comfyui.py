@@ -163,9 +163,10 @@ def find_model_file(comfy_root: str | os.PathLike, kind: str, name: str) -> Path
                            f"(or add its folder to {EXTRA_PATHS_FILE}), or give its full path.")
 
 
-def tokenizer_dirs(comfy_root: str | os.PathLike) -> dict[str, Path]:
-    """The tokenizers ComfyUI ships: ``{"clip": comfy/sd1_tokenizer, "t5":
-    comfy/text_encoders/t5_tokenizer}``.
+def tokenizer_dirs(comfy_root: str | os.PathLike, kinds: tuple[str, ...] = ("clip", "t5")) -> dict[str, Path]:
+    """The tokenizers ComfyUI ships, of ``kinds``: ``{"clip": comfy/sd1_tokenizer, "t5":
+    comfy/text_encoders/t5_tokenizer, "qwen25": comfy/text_encoders/qwen25_tokenizer}`` (Qwen2.5's,
+    which Qwen-Image's text encoder reads: vocab.json + merges.txt).
 
     The CLIP one serves CLIP-L and SDXL's CLIP-G alike; its tokenizer_config.json says
     ``model_max_length`` 8192, so load it with ``model_max_length=77`` (and ``pad_token="!"`` for
@@ -173,8 +174,10 @@ def tokenizer_dirs(comfy_root: str | os.PathLike) -> dict[str, Path]:
     spiece.model: load it with ``T5TokenizerFast``.
     """
     root = find_root(comfy_root, "model.comfyui")
-    dirs = {"clip": root / "comfy" / "sd1_tokenizer", "t5": root / "comfy" / "text_encoders" / "t5_tokenizer"}
-    expected = {"clip": "vocab.json", "t5": "tokenizer.json"}
+    text = root / "comfy" / "text_encoders"
+    every = {"clip": root / "comfy" / "sd1_tokenizer", "t5": text / "t5_tokenizer", "qwen25": text / "qwen25_tokenizer"}
+    dirs = {k: every[k] for k in kinds}
+    expected = {"clip": "vocab.json", "t5": "tokenizer.json", "qwen25": "vocab.json"}
     missing = [str(d / expected[k]) for k, d in dirs.items() if not (d / expected[k]).is_file()]
     if missing:
         raise ModelSourceError(f"{root} lacks ComfyUI's tokenizer files ({', '.join(missing)}); update or "

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+UNET_PREFIX = "model.diffusion_model."  # ComfyUI's prefix of a diffusion model's keys
 
 # --------------------------------------------------------------------------------------------
 # reading the tiny diffusers folder
@@ -396,3 +397,87 @@ def make_comfyui_tree(root: Path, files: dict[str, Path], *, extra_yaml: dict | 
     cfg = json.loads((clip_dir / "tokenizer_config.json").read_text())
     (clip_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 8192}, indent=2))
     return root
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen-Image: ComfyUI's split files (Comfy-Org/Qwen-Image_ComfyUI)
+# --------------------------------------------------------------------------------------------
+# The transformer keeps diffusers' names (comfy/ldm/qwen_image/model.py has them one to one), bare
+# or under model.diffusion_model.; Qwen2.5-VL keeps Hugging Face's original names (model.layers.*,
+# visual.*), its Linear weights in ComfyUI's legacy scaled fp8 (<layer>.weight in float8_e4m3fn with a
+# float32 <layer>.scale_weight, and a root scaled_fp8 marker); the VAE is Wan 2.1's original layout
+# (comfy/ldm/wan/vae.py WanVAE: flat encoder.downsamples / decoder.upsamples of residual blocks
+# (residual.0 norm, .2 conv, .3 norm, .6 conv, shortcut) and resamples, middle.0/1/2, head.0/2,
+# conv1/conv2 around the latent), written here from that module tree, diffusers -> original.
+
+
+def write_qwen_image_transformer(diffusers_dir: Path, out_file: Path, *, prefix: str = UNET_PREFIX,
+                                 fp8: bool = False) -> Path:
+    """qwen_image_bf16.safetensors (here: the tiny model's float32) or, with ``fp8``,
+    qwen_image_fp8_e4m3fn.safetensors (every tensor cast to float8_e4m3fn, no scales)."""
+    sd, _ = _component(diffusers_dir, "transformer")
+    return _save({prefix + k: v.to(FP8) if fp8 else v for k, v in sd.items()}, out_file)
+
+
+def write_qwen25_vl(diffusers_dir: Path, out_file: Path, *, scaled_fp8: bool = False) -> Path:
+    """qwen_2.5_vl_7b.safetensors (original names, float32) or, with ``scaled_fp8``,
+    qwen_2.5_vl_7b_fp8_scaled.safetensors: each Linear weight (2-D, in the layers and the vision
+    blocks) stored as weight / scale in float8_e4m3fn, scale = absmax / 448."""
+    sd, _ = _component(diffusers_dir, "text_encoder")
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        linear = k.endswith(".weight") and v.dim() == 2 and (".layers." in k or ".blocks." in k)
+        if scaled_fp8 and linear:
+            scale = (v.abs().max() / FP8_MAX).clamp(min=1e-12).float()
+            out[k] = (v / scale).to(FP8)
+            out[k[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            out[k] = v
+    if scaled_fp8:
+        out["scaled_fp8"] = torch.empty(0, dtype=FP8)
+    return _save(out, out_file)
+
+
+_WAN_RESNET = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
+               "conv2": "residual.6", "conv_shortcut": "shortcut"}
+
+
+def _wan_resnet(rest: str) -> str:
+    for ours, theirs in _WAN_RESNET.items():
+        if rest.startswith(ours):
+            return theirs + rest[len(ours):]
+    return rest  # resample.1.*, time_conv.*
+
+
+def qwen_vae_to_wan(key: str, num_res_blocks: int) -> str:
+    """A diffusers AutoencoderKLQwenImage key -> the Wan 2.1 original key."""
+    import re
+
+    fixed = {"quant_conv": "conv1", "post_quant_conv": "conv2", "encoder.conv_in": "encoder.conv1",
+             "decoder.conv_in": "decoder.conv1", "encoder.norm_out.gamma": "encoder.head.0.gamma",
+             "decoder.norm_out.gamma": "decoder.head.0.gamma", "encoder.conv_out": "encoder.head.2",
+             "decoder.conv_out": "decoder.head.2"}
+    for ours, theirs in fixed.items():
+        if key == ours or key.startswith(ours + "."):
+            return theirs + key[len(ours):]
+    m = re.match(r"(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d)\.(.*)", key)
+    if m:
+        side, kind, i, rest = m.groups()
+        index = 1 if kind == "attentions" else 2 * int(i)
+        return f"{side}.middle.{index}.{rest if kind == 'attentions' else _wan_resnet(rest)}"
+    m = re.match(r"encoder\.down_blocks\.(\d+)\.(.*)", key)
+    if m:
+        return f"encoder.downsamples.{m.group(1)}.{_wan_resnet(m.group(2))}"
+    m = re.match(r"decoder\.up_blocks\.(\d+)\.(resnets\.(\d+)|upsamplers\.0)\.(.*)", key)
+    if m:
+        block, _, resnet, rest = m.groups()
+        per_block = num_res_blocks + 2  # num_res_blocks + 1 residual blocks, then the upsampler
+        index = int(block) * per_block + (int(resnet) if resnet is not None else num_res_blocks + 1)
+        return f"decoder.upsamples.{index}.{_wan_resnet(rest)}"
+    raise KeyError(f"no Wan 2.1 name for the VAE key {key}")
+
+
+def write_qwen_image_vae(diffusers_dir: Path, out_file: Path) -> Path:
+    """qwen_image_vae.safetensors: the VAE in Wan 2.1's original layout."""
+    sd, config = _component(diffusers_dir, "vae")
+    return _save({qwen_vae_to_wan(k, config["num_res_blocks"]): v for k, v in sd.items()}, out_file)

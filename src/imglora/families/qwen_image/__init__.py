@@ -20,7 +20,7 @@ import torch
 from ...errors import ImgloraError
 from ...owned import own_module
 from .. import diffusers_image as common
-from . import comfyui, keys, model, tiny
+from . import comfyui, keys, model, singlefile, tiny
 from .config import QwenImageConfig
 
 if TYPE_CHECKING:
@@ -77,19 +77,24 @@ class QwenImageFamily:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return model.collate(entries)
 
     # -- cache ------------------------------------------------------------------------------
     def text_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "text_encoder", src.root / "tokenizer"]
+        return [src.root / "text_encoder", src.root / "tokenizer", *([src.files["text_encoder"]] if src.files else [])]
 
     def vae_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "vae"]
+        return [src.root / "vae", *([src.files["vae"]] if src.files else [])]
 
     def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import AutoencoderKLQwenImage
 
+        if src.files:
+            return own_module(singlefile.load_vae(src, dtype)).to(device).eval()
         vae = AutoencoderKLQwenImage.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
         return own_module(vae).to(device).eval()
 
@@ -102,8 +107,11 @@ class QwenImageFamily:
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(src.root, subfolder="text_encoder",
-                                                                     torch_dtype=dtype)
+        if src.files:
+            encoder = singlefile.load_text_encoder(src, dtype)
+        else:
+            encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(src.root, subfolder="text_encoder",
+                                                                         torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
         return tokenizer, own_module(encoder).to(device).eval()
 
@@ -181,6 +189,9 @@ class QwenImageFamily:
     def export_tensors(self, modules: dict[str, Any], fmt: str,
                        base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

@@ -73,8 +73,11 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     is read, so the host never holds the 20B transformer in its load dtype; the quantized model
     kept in the cache for the next run."""
     swapped = swapped_blocks(block_counts(src.root), cfg)
+    from . import singlefile
+
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
-                                                 model_class=MODEL_CLASS, blocks=BLOCKS)
+                                                 model_class=MODEL_CLASS, file_reader=singlefile.load_transformer,
+                                                 blocks=BLOCKS)
     trainable = _trainable(with_rope_tables(transformer), cfg, src.root)
     trainable.facts.update(facts)
     return trainable

@@ -34,10 +34,10 @@ def build(dest: Path, seed: int) -> None:
         vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
         bos_token_id=special["<|endoftext|>"], eos_token_id=special["<|im_end|>"])
     save_model(seeded(seed, "text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(config)), dest / "text_encoder")
-    # The 3D-causal VAE at the real model's depth (3 downsamplings: 8×), tiny widths; the real latent
-    # statistics (its config's defaults).
-    save_model(seeded(seed, "vae", lambda: AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2],
-                                                                   num_res_blocks=1)), dest / "vae")
+    # The 3D-causal VAE in the real model's layout (its levels, blocks and 8× downsampling: the layout
+    # ComfyUI's Wan 2.1 file has), tiny widths; the real latent statistics (its config's defaults).
+    save_model(seeded(seed, "vae", lambda: AutoencoderKLQwenImage(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4],
+                                                                   num_res_blocks=2)), dest / "vae")
     save_model(seeded(seed, "transformer", lambda: QwenImageTransformer2DModel(
         patch_size=2, in_channels=64, out_channels=16, num_layers=3, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=config.text_config.hidden_size, axes_dims_rope=(4, 6, 6))), dest / "transformer")

@@ -39,15 +39,15 @@ def override(config: str, marker: str = "model_index.json") -> Path:
 
 
 def find_tokenizer(kind: str, hub: list[tuple[str, str]], comfyui: str, what: str) -> tuple[Path, bool]:
-    """A tokenizer folder of ``kind`` ("clip" or "t5"): the first ``(repo, subfolder)`` of ``hub``
+    """A tokenizer folder of ``kind`` ("clip", "t5" or "qwen25"): the first ``(repo, subfolder)`` of ``hub``
     in the local Hugging Face cache, else ComfyUI's. Returns (folder, from ComfyUI)."""
-    markers = {"clip": ("vocab.json",), "t5": ("tokenizer.json", "spiece.model")}[kind]
+    markers = {"clip": ("vocab.json",), "t5": ("tokenizer.json", "spiece.model"), "qwen25": ("vocab.json",)}[kind]
     for repo, sub in hub:
         snap = hub_snapshot(repo)
         if snap is not None and any((snap / sub / m).is_file() for m in markers):
             return snap / sub, False
     if comfyui:
-        return tokenizer_dirs(comfyui)[kind], True
+        return tokenizer_dirs(comfyui, (kind,))[kind], True
     repo, sub = hub[0]
     raise ModelSourceError(
         f"{what}'s tokenizer is not on this machine. imglora ships the model's configs but not its tokenizers: "

@@ -18,7 +18,8 @@ from pathlib import Path
 from ...errors import ModelSourceError
 from ...safefiles import PathLike, Reader, is_side_key, open_file
 
-KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "clip-l", "t5xxl", "vae-sdxl", "vae-flux", "lora", "unknown")
+KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "qwen-image-transformer", "clip-l", "t5xxl",
+         "qwen25-vl-7b", "vae-sdxl", "vae-flux", "vae-qwen-image", "lora", "unknown")
 
 UNET_PREFIX = "model.diffusion_model."
 CLIP_L_KEY = "text_model.encoder.layers.0.mlp.fc1.weight"
@@ -27,6 +28,9 @@ SGM_CLIP_G = "conditioner.embedders.1.model."
 SGM_VAE = "first_stage_model."
 FLUX_KEY = "double_blocks.0.img_attn.norm.key_norm.scale"
 T5_KEY = "encoder.block.0.layer.1.DenseReluDense.wi_1.weight"
+QWEN_IMAGE_KEY = "txt_norm.weight"  # ComfyUI's test for Qwen-Image (model_detection.py)
+QWEN25_KEY = "model.layers.0.self_attn.k_proj.bias"  # ComfyUI's test for Qwen2.5 (sd.py::detect_te_model)
+WAN21_VAE_KEY = "decoder.middle.0.residual.0.gamma"  # ComfyUI's test for Wan's VAE (sd.py)
 LORA_MARKERS = (".lora_up.", ".lora_down.", ".lora_A.", ".lora_B.", ".lora.up.", ".lora.down.", ".hada_w1_a",
                 ".lokr_w1")
 
@@ -126,6 +130,27 @@ def classify(r: Reader) -> Layout:
             return Layout(kind="flux-transformer", prefix=prefix, parts=tuple(parts), variant=variant,
                           fp8=fp8(blocks), scaled=scaled, note=note, **base)
 
+    for prefix in ("", UNET_PREFIX):
+        if prefix + QWEN_IMAGE_KEY in keys and prefix + "transformer_blocks.0.img_mod.1.weight" in keys:
+            if prefix + "txt_in.text_norm.weight" in keys:
+                return Layout(kind="unknown", prefix=prefix, note="a Qwen-Image 2.1 transformer; imglora trains "
+                              "Qwen-Image", **base)
+            return Layout(kind="qwen-image-transformer", prefix=prefix, parts=("transformer",),
+                          fp8=fp8(r.with_prefix(prefix + "transformer_blocks.")), scaled=scaled, **base)
+
+    if QWEN25_KEY in keys:
+        if r.shape(QWEN25_KEY)[0] == 256:  # ComfyUI's size test: 2 key/value heads of 128 (the 7B has 4)
+            return Layout(kind="unknown", note="Qwen2.5-VL-3B (Qwen-Image reads Qwen2.5-VL-7B)", **base)
+        note = "" if "visual.patch_embed.proj.weight" in keys else "no vision tower (visual.*): a text-only Qwen2.5-7B?"
+        if note:
+            return Layout(kind="unknown", note=note, **base)
+        return Layout(kind="qwen25-vl-7b", fp8=fp8(r.keys), scaled=scaled, **base)
+
+    if WAN21_VAE_KEY in keys:
+        if "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys:
+            return Layout(kind="unknown", note="Wan 2.2's VAE (48 latent channels); Qwen-Image uses Wan 2.1's", **base)
+        return Layout(kind="vae-qwen-image", note="Wan 2.1's VAE layout, which Qwen-Image's VAE has", **base)
+
     for prefix in ("", "text_encoders.clip_l.transformer."):
         for flat in (CLIP_L_KEY, CLIP_L_KEY.removeprefix("text_model.")):  # transformers 5 saves the latter
             if prefix + flat in keys:
@@ -167,10 +192,14 @@ _WANTED = {
     "t5xxl": "a T5-XXL text encoder (e.g. t5xxl_fp16.safetensors)",
     "vae-sdxl": "an SDXL VAE (e.g. sdxl_vae.safetensors)",
     "vae-flux": "a FLUX VAE (ae.safetensors)",
+    "qwen-image-transformer": "a Qwen-Image transformer (e.g. qwen_image_bf16.safetensors)",
+    "qwen25-vl-7b": "Qwen2.5-VL-7B, Qwen-Image's text encoder (e.g. qwen_2.5_vl_7b_fp8_scaled.safetensors)",
+    "vae-qwen-image": "Qwen-Image's VAE (qwen_image_vae.safetensors)",
 }
 
 
-FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux", "chroma-transformer": "chroma"}  # a base model file -> the family that trains it
+FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux", "chroma-transformer": "chroma",
+             "qwen-image-transformer": "qwen_image"}  # a base model file -> the family that trains it
 
 
 def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
