@@ -179,6 +179,24 @@ class EditPairs(Protocol):
     control_images: int  # the most source images a target takes (1; several for multi-image edit models)
 
 
+def text_length(family: Any, cfg: "Config", src: "ModelSource") -> int:
+    """The token length captions are encoded at: ``cache.text_max_length``, else the family's
+    default for this model (``default_text_length(src)`` where the model decides it, e.g.
+    FLUX.1-schnell's 256 against FLUX.1-dev's 512), else its ``text_max_length``."""
+    if cfg.cache.text_max_length:
+        return cfg.cache.text_max_length
+    if hasattr(family, "default_text_length"):
+        return family.default_text_length(src)
+    return family.text_max_length
+
+
+def text_options(family: Any, cfg: "Config") -> dict[str, Any]:
+    """Settings that change what the text encoders give for a caption (e.g. FLUX's
+    ``apply_t5_attn_mask``): part of a text entry's cache key, and passed to ``encode_text`` as
+    keywords. Empty for a family without such settings (its keys and calls stay as they were)."""
+    return family.text_options(cfg) if hasattr(family, "text_options") else {}
+
+
 def supports(family: Any, capability: type) -> bool:
     """Whether ``family`` implements one of the protocols above."""
     return isinstance(family, capability)

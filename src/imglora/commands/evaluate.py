@@ -38,7 +38,7 @@ import torch
 from .. import atomic, devices, lora, loop, record, sheets, telemetry, trackers
 from ..checkpoint import EMA_DIR, list_checkpoints
 from ..errors import ImgloraError
-from ..family import Sampler, Swappable, supports
+from ..family import Sampler, Swappable, supports, text_length
 from ..memory.wrap import check_swap_counts
 from ..models import resolve_model
 from ..progress import Progress
@@ -227,7 +227,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     encoders = loop.text_encoders(trainable)  # lora.text_encoder: prompts encoded by the adapted encoders
     tokens = []
     if encoders:
-        tokenizers, max_len = family.load_tokenizers(src), cfg.cache.text_max_length or family.text_max_length
+        tokenizers, max_len = family.load_tokenizers(src), text_length(family, cfg, src)
         tokens = [{k: v[None].to(device) for k, v in family.tokenize(tokenizers, p, max_len).items()} for p in prompts]
 
     def strength(s: float) -> None:

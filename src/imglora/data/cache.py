@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .. import atomic, devices, record
 from . import text_tokens
 from ..errors import ImgloraError
+from ..family import text_length, text_options
 from ..hashing import sha256_file
 from ..progress import Progress
 from .buckets import fit_to_bucket
@@ -83,6 +84,7 @@ class CachePlan:
     text_max_length: int
     identities: dict[str, str] = field(default_factory=dict)
     choices: dict[DatasetItem, TextChoice] = field(default_factory=dict)  # what each image's caption trains as
+    text_options: dict[str, Any] = field(default_factory=dict)  # family.text_options: keyed, passed to encode_text
 
 
 @dataclass
@@ -125,7 +127,8 @@ def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan
     return CachePlan(scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
                      [s for s in the_plan.latents if s.item in keep],
                      {c: s for c, s in the_plan.texts.items() if c in texts},
-                     the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities), choices)
+                     the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities), choices,
+                     dict(the_plan.text_options))
 
 
 def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -133,7 +136,8 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     """Compute every entry's key without loading a model or decoding an image."""
     scanned = scanned or scan(cfg, family)
     enc_dtype = devices.encoder_dtype_name(cfg.cache.encoder_dtype, device)
-    max_len = cfg.cache.text_max_length or family.text_max_length
+    max_len = text_length(family, cfg, src)
+    options = text_options(family, cfg)
     vae_id = record.identity(family.vae_folders(src))
     text_id = record.identity(family.text_folders(src))
     sets = cfg.data.all_sets
@@ -159,10 +163,10 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     for text in (dict.fromkeys(t for c in choices.values() for t in c.texts())
                  if text_tokens.caches_text(cfg, family) else ()):
         key = _key({"kind": "text", "family": family.name, "caption": text, "encoders": text_id,
-                    "max_length": max_len, "dtype": enc_dtype})
+                    "max_length": max_len, "dtype": enc_dtype, **options})
         texts[text] = TextSpec(text, key)
     return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id},
-                     choices)
+                     choices, options)
 
 
 def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -210,7 +214,8 @@ def _fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "to
         stats.loaded_text_encoders = True
         with Progress(len(todo_txt), "encoding captions", enabled=progress) as bar:
             for spec in todo_txt:
-                tensors = family.encode_text(encoders, spec.caption, the_plan.text_max_length)
+                tensors = family.encode_text(encoders, spec.caption, the_plan.text_max_length,
+                                             **the_plan.text_options)
                 tokens = family.count_tokens(encoders, spec.caption, the_plan.text_max_length)
                 cache.put("text", spec.key, _finite(tensors, f"caption {spec.caption!r}", the_plan.encoder_dtype),
                           info={"tokens": tokens})

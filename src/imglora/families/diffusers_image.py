@@ -17,6 +17,7 @@ from .. import devices
 from ..config.checks import bucket_checks
 from ..owned import own_module
 from ..errors import ImgloraError
+from ..family import text_length, text_options
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -274,8 +275,8 @@ def encode_prompts(family: Any, src: "ModelSource", prompts: list[str], cfg: "Co
     then the encoders are freed: they are never in memory together with the denoiser."""
     encoders = family.load_text_encoders(src, device, devices.dtype(devices.encoder_dtype_name(
         cfg.cache.encoder_dtype, device)))
-    max_len = cfg.cache.text_max_length or family.text_max_length
-    out = [family.encode_text(encoders, p, max_len) for p in prompts]
+    max_len = text_length(family, cfg, src)
+    out = [family.encode_text(encoders, p, max_len, **text_options(family, cfg)) for p in prompts]
     del encoders
     devices.free(device)
     return out

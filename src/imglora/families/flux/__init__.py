@@ -111,17 +111,37 @@ class FluxFamily:
                         T5EncoderModel.from_pretrained(src.root, subfolder="text_encoder_2", torch_dtype=dtype))
         return (*tokenizers, *(own_module(e).to(device).eval() for e in encoders))
 
+    def text_options(self, cfg: Any) -> dict[str, Any]:
+        """[flux] apply_t5_attn_mask changes T5's output: keyed in the text cache (only when on, so
+        the entries made without it keep their keys)."""
+        return {"t5_attention_mask": True} if getattr(cfg.family, "apply_t5_attn_mask", False) else {}
+
+    def default_text_length(self, src: "ModelSource") -> int:
+        """T5 tokens: 512 for FLUX.1-dev (FluxPipeline's), 256 for FLUX.1-schnell (its pipeline's
+        limit, and kohya's default), read from the transformer's config (schnell has no guidance
+        embedding)."""
+        import json
+
+        config = json.loads((src.root / "transformer" / "config.json").read_text())
+        return model.TEXT_MAX_LENGTH if config.get("guidance_embeds", False) else model.SCHNELL_TEXT_MAX_LENGTH
+
     @torch.no_grad()
-    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: Any, caption: str, max_length: int,
+                    t5_attention_mask: bool = False) -> dict[str, torch.Tensor]:
         # As FluxPipeline.encode_prompt: CLIP-L pooled output (77 tokens) and T5 last hidden state.
+        # With T5's attention mask (kohya's apply_t5_attn_mask), T5 reads the tokenizer's mask and the
+        # mask is cached with its output, for the transformer's attention.
         clip_tok, t5_tok, clip, t5 = encoders
         ids = clip_tok(caption, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
                        return_tensors="pt").input_ids.to(clip.device)
         pooled = clip(ids, output_hidden_states=False).pooler_output
-        ids = t5_tok(caption, padding="max_length", max_length=max_length, truncation=True,
-                     return_tensors="pt").input_ids.to(t5.device)
-        t5_out = t5(ids, output_hidden_states=False)[0]
-        return {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+        t = t5_tok(caption, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+        mask = t.attention_mask.to(t5.device) if t5_attention_mask else None
+        t5_out = t5(t.input_ids.to(t5.device), attention_mask=mask, output_hidden_states=False)[0]
+        out = {"prompt_embeds": t5_out[0].cpu(), "pooled_prompt_embeds": pooled[0].cpu()}
+        if t5_attention_mask:
+            out["text_mask"] = t.attention_mask[0].bool()
+        return out
 
     def load_tokenizers(self, src: "ModelSource") -> Any:
         from transformers import CLIPTokenizer
@@ -175,7 +195,8 @@ class FluxFamily:
     def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Callable[..., Any]:
         # FLUX.1-dev is guidance-distilled: 3.5 is its usual embedded guidance at inference.
-        return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=3.5)
+        sample = common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=3.5)
+        return model.masked_sampler(sample, denoiser) if self.text_options(cfg) else sample
 
     # -- export -----------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str,

@@ -44,3 +44,8 @@ class FlowMatchingConfig(FlowMatchingObjective):
 class FluxConfig(FlowMatchingConfig):
     guidance: float = setting(1.0, help="Guidance embedding value during training (1.0 for FLUX.1-dev).", min=0.0,
                               max=100.0, moved_from="train.guidance")
+    apply_t5_attn_mask: bool = setting(
+        False, help="T5's attention mask (kohya's apply_t5_attn_mask): T5 reads the caption without its padding, and "
+                    "the transformer's attention ignores the padding tokens, in training and in the evaluation pass. The "
+                    "cached text entries are keyed by it. Off by default: FluxPipeline and ComfyUI encode and sample "
+                    "without it.")

@@ -176,4 +176,6 @@ def metadata(cfg: Any, record: dict[str, Any], base: str = "flux1", architecture
            "ss_sigmoid_scale": f.sigmoid_scale}
     if hasattr(f, "guidance"):  # Chroma has no guidance embedding
         out["ss_guidance_scale"] = f.guidance
+    # kohya's key: T5's mask in training (Chroma's is always on: its pipeline masks too)
+    out["ss_apply_t5_attn_mask"] = getattr(f, "apply_t5_attn_mask", base == "chroma")
     return out

@@ -64,7 +64,7 @@ def synthetic_batch(trainable: "FluxTrainable", resolution: int, cfg: Any,
     """Random tensors shaped like one cached sample, for benchmarks without a cache."""
     c = trainable.model.config
     n, r = cfg.train.batch_size, resolution
-    length = cfg.cache.text_max_length or TEXT_MAX_LENGTH
+    length = cfg.cache.text_max_length or (TEXT_MAX_LENGTH if c.guidance_embeds else SCHNELL_TEXT_MAX_LENGTH)
     g = torch.Generator().manual_seed(0)
     pooled = {"input_ids": torch.zeros(n, 77, dtype=torch.long)} if trainable.text_encoders else {
         "pooled_prompt_embeds": torch.randn(n, c.pooled_projection_dim, generator=g)}  # (trained CLIP-L: tokens)
@@ -76,6 +76,7 @@ def synthetic_batch(trainable: "FluxTrainable", resolution: int, cfg: Any,
 
 
 TEXT_MAX_LENGTH = 512  # T5 tokens, as FluxPipeline encodes prompts for FLUX.1-dev
+SCHNELL_TEXT_MAX_LENGTH = 256  # FLUX.1-schnell's (its pipeline's limit; kohya's default for it)
 
 # FluxTransformer2DModel's defaults are FLUX.1-dev's (19 double + 38 single blocks, 3072 wide);
 # dev also has the guidance embedding. Used by `bench-swap --arch full` before a download.
@@ -184,6 +185,9 @@ class FluxTrainable:
         reference = self.reference_tokens(batch)
         if reference is not None:  # e.g. FLUX.1 Kontext's source image: more tokens after the noisy ones
             tokens, ids = torch.cat([tokens, reference[0].to(dtype)], 1), torch.cat([ids, reference[1]])
+        attention = None
+        if "text_mask" in batch:  # [flux] apply_t5_attn_mask: no query attends to T5's padding (kohya's mask)
+            attention = {"attention_mask": attention_mask(batch["text_mask"], tokens.shape[1])}
         pred = self.model(
             hidden_states=tokens,
             timestep=sigma.to(dtype),  # the transformer multiplies by 1000 itself
@@ -192,9 +196,42 @@ class FluxTrainable:
             encoder_hidden_states=text.to(dtype),
             txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
             img_ids=ids.to(dtype),
+            joint_attention_kwargs=attention,
             return_dict=False,
         )[0][:, :x0.shape[1]]  # the prediction for the noisy tokens only
         return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma, self.train)
+
+
+def attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
+    """[B, 1, 1, text + image] bool: which keys every query attends to in the joint attention, the
+    text's tokens as ``text_mask`` says and every image token (kohya's apply_t5_attn_mask)."""
+    ones = torch.ones(text_mask.shape[0], image_tokens, dtype=torch.bool, device=text_mask.device)
+    return torch.cat([text_mask.bool(), ones], dim=1)[:, None, None, :]
+
+
+def masked_sampler(sample: Callable[..., Any], denoiser: torch.nn.Module) -> Callable[..., Any]:
+    """With [flux] apply_t5_attn_mask, samples as the model was trained: each prompt's T5 mask (cached
+    with its embeddings) masks the padding in every transformer call (a pre-hook, as the pipeline
+    gives the transformer no mask of its own; the image tokens counted as each call has them, an
+    edit model's source tokens included)."""
+
+    def masked(embeds: dict[str, torch.Tensor], seed: int) -> Any:
+        text_mask = embeds["text_mask"][None]
+
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hidden = kwargs["hidden_states"]
+            mask = attention_mask(text_mask.to(hidden.device).expand(hidden.shape[0], -1), hidden.shape[1])
+            return args, {**kwargs, "joint_attention_kwargs": {**(kwargs.get("joint_attention_kwargs") or {}),
+                                                               "attention_mask": mask}}
+
+        handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            return sample(embeds, seed)
+        finally:
+            handle.remove()
+
+    masked.settings = {**sample.settings, "t5_attention_mask": True}  # type: ignore[attr-defined]
+    return masked
 
 
 def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type | None = None) -> "FluxTrainable":

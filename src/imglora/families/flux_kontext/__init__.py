@@ -17,6 +17,7 @@ import torch
 from .. import diffusers_image as common
 from ..flux import FluxFamily
 from ..flux import keys as flux_keys
+from ..flux import model as flux_model
 from ..flux import singlefile as flux_files
 from ..flux import tiny as flux_tiny
 from . import comfyui, model
@@ -54,9 +55,10 @@ class FluxKontextFamily(FluxFamily):
         # The source is already fitted to the sample size (source_images): no resizing to Kontext's
         # preferred sizes, and an output area of the sample size (the pipeline scales the requested
         # size to max_area, 1024² by default), so the result lines up with it on the contact sheet.
-        return common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=comfyui.GUIDANCE,
-                                        source_kwargs=lambda image: {"image": image, "_auto_resize": False,
-                                                                     "max_area": image.width * image.height})
+        sample = common.diffusers_sampler(self, src, denoiser, cfg, device, dtype, default_guidance=comfyui.GUIDANCE,
+                                          source_kwargs=lambda image: {"image": image, "_auto_resize": False,
+                                                                       "max_area": image.width * image.height})
+        return flux_model.masked_sampler(sample, denoiser) if self.text_options(cfg) else sample
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return flux_keys.metadata(cfg, record, architecture="flux-1-kontext-dev/lora")
