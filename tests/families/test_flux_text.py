@@ -124,3 +124,10 @@ def test_the_export_header_and_the_evaluation_say_the_mask_was_used(small_run) -
         assert masked(entry, 0) == "image" and masked.settings["t5_attention_mask"] is True
     assert torch.equal(seen[-1], flux_model.attention_mask(entry["text_mask"][None], 4))
     assert not trainable.model._forward_pre_hooks  # the mask's hook is gone after the call
+
+
+def test_the_mask_stays_when_clip_l_trains_with_the_adapter(small_run) -> None:
+    # lora.text_encoder: CLIP-L's output is computed per step from tokens; T5's output and its mask stay cached.
+    cfg = config(small_run, "flux.apply_t5_attn_mask=true", "lora.text_encoder=true")
+    family, src, plan, entry = cached(cfg)
+    assert {"prompt_embeds", "text_mask", "input_ids"} <= set(entry) and "pooled_prompt_embeds" not in entry

@@ -36,7 +36,7 @@ def entries(cfg: "Config", family: Any, src: "ModelSource", captions: list[str],
     if not trains_text(cfg, family):
         return cached
     tokenizers = family.load_tokenizers(src)
-    keep = set(family.frozen_text_outputs)
+    keep = {*family.frozen_text_outputs, "text_mask"}  # (a frozen output's mask, e.g. apply_t5_attn_mask's)
     return {c: {**{k: v for k, v in cached.get(c, {}).items() if k in keep},
                 **family.tokenize(tokenizers, c, max_length)} for c in dict.fromkeys(captions)}
 
