@@ -57,10 +57,10 @@ def randomize_lora(model: nn.Module, seed: int) -> None:
 
 
 def make_run(root: Path, family: str, *, rank: int, alpha: float, targets: list[str] | None = None,
-             peft_targets: list[str] | None = None, name: str = "toy") -> tuple[Path, nn.Module]:
+             peft_targets: list[str] | None = None, name: str = "toy", extra: tuple[str, ...] = ()) -> tuple[Path, nn.Module]:
     """A run folder as `imglora train` leaves it: adapter/, checkpoints/step-000010/, records/."""
     overrides = [f"lora.rank={rank}", f"lora.alpha={alpha}", f"data.trigger_word={TRIGGER}", f"run.name={name}",
-                 'eval.prompts=["a toy on a wooden table"]']
+                 'eval.prompts=["a toy on a wooden table"]', *extra]
     if targets is not None:
         overrides.append(f"lora.targets={json.dumps(targets)}")
     cfg = load_config(REPO / "presets" / f"tiny-{family.replace('_', '-')}.toml", overrides)
@@ -272,6 +272,33 @@ def test_qwen_image_export_maps_in_comfyui_with_exact_deltas(fmt: str, pattern: 
     assert f"transformer_blocks.{last}.txt_mlp.net.2" not in deltas and f"transformer_blocks.{last}.attn.add_q_proj" in deltas
     meta = header(tmp_path / "q.safetensors")
     assert meta["ss_base_model_version"] == "qwen_image" and meta["ss_timestep_sampling"] == "shift"
+
+
+@pytest.mark.parametrize("fmt", ["default", "kohya"])
+def test_selected_blocks_with_their_own_ranks_export_exactly_what_was_trained(fmt: str, tmp_path) -> None:
+    # lora.blocks / block_ranks / block_alphas: ComfyUI maps every key (FLUX's kohya form fuses q, k, v
+    # per block, with each block's own rank and alpha), and only the selected blocks are in the file.
+    extra = ('lora.blocks=["double:1", "single:2-3"]', 'lora.block_ranks={"single:3" = 2}',
+             'lora.block_alphas={"double" = 5.0}')
+    run, model = make_run(tmp_path, "flux", rank=4, alpha=3.0, extra=extra)
+    trained = trained_deltas(model)
+    assert {n.split(".")[0] + "." + n.split(".")[1] for n in trained} == {
+        "transformer_blocks.1", "single_transformer_blocks.2", "single_transformer_blocks.3"}
+    sd = tensors_of(export_run(run, out=tmp_path / "b.safetensors", fmt=fmt, dtype="fp32").path)
+    if fmt == "default":
+        deltas, not_loaded = comfy_load(sd, flux_key_map(base_model("flux")))
+        assert not not_loaded, sorted(not_loaded)[:5]
+        assert_deltas_equal(deltas, trained)
+        assert sd["transformer.single_transformer_blocks.3.proj_out.lora_A.weight"].shape[0] == 2
+        assert sd["transformer.transformer_blocks.1.attn.to_q.alpha"].item() == 5.0
+        assert sd["transformer.single_transformer_blocks.2.proj_out.alpha"].item() == 3.0
+    else:
+        names = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
+        assert {n.split("_")[2] + "_" + n.split("_")[3] + "_" + n.split("_")[4] for n in names} == {
+            "double_blocks_1", "single_blocks_2", "single_blocks_3"}
+    meta = header(tmp_path / "b.safetensors")
+    args = json.loads(meta["ss_network_args"])
+    assert args["blocks"] == "double:1,single:2-3" and args["block_dims"] == "single:3=2"
 
 
 def test_bf16_export_is_the_trained_weights_rounded_once(flux_run, tmp_path) -> None:

@@ -127,14 +127,16 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
     trainable.model.train()
     params = lora.trainable_parameters(trainable.model)
     plus = cfg.lora.loraplus_lr_ratio  # LoRA+: the B matrices in groups of their own
-    groups: list[Any] = params if not plus else lora.parameter_groups(trainable.model, cfg.train.learning_rate, plus)
+    per_block = lora.block_multipliers(trainable.model, family, cfg.lora)  # lora.block_lr: groups per multiplier
+    groups: list[Any] = params if not (plus or per_block) else lora.parameter_groups(
+        trainable.model, cfg.train.learning_rate, plus, per_block)
     if encoders:  # their adapter in a parameter group of its own, at train.text_encoder_lr
         for encoder in encoders.values():
             encoder.train()
         text_params = [p for e in encoders.values() for p in lora.trainable_parameters(e)]
         text_lr = cfg.train.text_encoder_lr or cfg.train.learning_rate
-        groups = [{"params": params}, {"params": text_params, "lr": text_lr}] if not plus else [
-            *lora.parameter_groups(trainable.model, cfg.train.learning_rate, plus),
+        groups = [{"params": params}, {"params": text_params, "lr": text_lr}] if not (plus or per_block) else [
+            *lora.parameter_groups(trainable.model, cfg.train.learning_rate, plus, per_block),
             *(g for e in encoders.values() for g in lora.parameter_groups(e, text_lr, plus))]
         params = params + text_params
     optimizer = make_optimizer(cfg, groups)

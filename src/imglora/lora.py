@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import adapter_forms
+from . import adapter_forms, lora_blocks
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,13 +68,25 @@ def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | N
         # get no gradient: an adapter there only costs memory and exports zero deltas.
         config.exclude_modules = family.unused_outputs(model) or None
     conv_rank, conv_alpha = conv_settings(s)
-    if model is not None and (conv_rank, conv_alpha) != (s.rank, s.alpha):
+    blockwise = bool(s.blocks or s.block_ranks or s.block_alphas)
+    if model is not None and ((conv_rank, conv_alpha) != (s.rank, s.alpha) or blockwise):
         from peft.tuners.tuners_utils import check_target_module_exists
 
-        convs = [re.escape(name) for name, m in model.named_modules()
-                 if isinstance(m, nn.Conv2d) and check_target_module_exists(config, name)]
-        config.rank_pattern = {n: conv_rank for n in convs} if conv_rank != s.rank else {}
-        config.alpha_pattern = {n: conv_alpha for n in convs} if conv_alpha != s.alpha else {}
+        adapted = [name for name, m in model.named_modules() if check_target_module_exists(config, name)]
+        if s.blocks:  # only the selected blocks' modules, named exactly (a regex peft matches in full)
+            adapted = lora_blocks.selected(model, family, adapted, list(s.blocks))
+            if not adapted:
+                raise ConfigError([f"lora.blocks = {list(s.blocks)}: no adapted module is in these blocks"])
+            config.target_modules = "(" + "|".join(re.escape(n) for n in adapted) + ")"
+        convs = [n for n in adapted if isinstance(model.get_submodule(n), nn.Conv2d)]
+        ranks = {n: conv_rank for n in convs} if conv_rank != s.rank else {}
+        alphas = {n: conv_alpha for n in convs} if conv_alpha != s.alpha else {}
+        # Per block (kohya's block_dims / block_alphas): a block's rank, and its alpha as given, else
+        # lora.alpha (as kohya's block_alphas default to network_alpha).
+        ranks |= {n: int(r) for n, r in lora_blocks.per_module(model, family, adapted, dict(s.block_ranks)).items()}
+        alphas |= {n: float(a) for n, a in lora_blocks.per_module(model, family, adapted, dict(s.block_alphas)).items()}
+        config.rank_pattern = {re.escape(n): r for n, r in ranks.items() if r != s.rank}
+        config.alpha_pattern = {re.escape(n): a for n, a in alphas.items() if a != s.alpha}
     return config
 
 
@@ -146,17 +158,42 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def parameter_groups(model: nn.Module, lr: float, loraplus_lr_ratio: float = 0.0) -> list[dict[str, Any]]:
+def parameter_groups(model: nn.Module, lr: float, loraplus_lr_ratio: float = 0.0,
+                     multipliers: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """The adapter's optimizer groups at ``lr``; with LoRA+ (Hayou et al. 2024, kohya's
     ``loraplus_lr_ratio``) the B matrices (kohya's lora_up) in a group of their own at ``lr`` times the
-    ratio, everything else (A, DoRA's magnitudes) at ``lr``."""
-    if not loraplus_lr_ratio:
+    ratio, everything else (A, DoRA's magnitudes) at ``lr``; ``multipliers`` ({module path:
+    factor}, lora.block_lr) scale the learning rate of each module's parameters (LoRA+ on top)."""
+    multipliers = multipliers or {}
+    if not loraplus_lr_ratio and not multipliers:
         return [{"params": trainable_parameters(model), "lr": lr}]
-    up, rest = [], []
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (up if ".lora_B." in name else rest).append(p)
-    return [g for g in ({"params": rest, "lr": lr}, {"params": up, "lr": lr * loraplus_lr_ratio}) if g["params"]]
+            module = _adapted_module(name)
+            up = bool(loraplus_lr_ratio) and ".lora_B." in name
+            groups.setdefault((multipliers.get(module, 1.0), up), []).append(p)
+    return [{"params": params, "lr": lr * factor * (loraplus_lr_ratio if up else 1.0)}
+            for (factor, up), params in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+
+
+def _adapted_module(parameter: str) -> str:
+    """``a.b.to_q.lora_A.default.weight`` -> ``a.b.to_q`` (the adapted module's path)."""
+    parts = parameter.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith(ADAPTER_PREFIXES):
+            return ".".join(parts[:i])
+    return parameter
+
+
+def block_multipliers(model: nn.Module, family: Any, settings: "LoraSettings") -> dict[str, float]:
+    """lora.block_lr as {adapted module path: multiplier}."""
+    if not settings.block_lr:
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    return lora_blocks.per_module(model, family, adapted, dict(settings.block_lr))
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

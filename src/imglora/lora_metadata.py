@@ -123,7 +123,16 @@ def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
     if lo.loraplus_lr_ratio:  # as kohya records it (a training setting: the file's tensors are the same)
         args = json.loads(out.get("ss_network_args", "{}"))
         out["ss_network_args"] = json.dumps({**args, "loraplus_lr_ratio": f"{lo.loraplus_lr_ratio:g}"})
+    blockwise = {"blocks": ",".join(lo.blocks), "block_dims": _pairs(lo.block_ranks),
+                 "block_alphas": _pairs(lo.block_alphas), "block_lr": _pairs(lo.block_lr)}
+    if any(blockwise.values()):  # lora.blocks & co., as selector lists (imglora's names; kohya has per-model ones)
+        args = json.loads(out.get("ss_network_args", "{}"))
+        out["ss_network_args"] = json.dumps({**args, **{k: v for k, v in blockwise.items() if v}})
     return out
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in values.items())
 
 
 def base_model_hashes(rec: dict[str, Any], checksums: dict[str, str]) -> dict[str, str]:

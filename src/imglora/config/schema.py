@@ -201,6 +201,17 @@ class LoraConfig:
                                                  "the B (up) matrices learn at this multiple of the learning rate "
                                                  "(16 is common); 0 = off.", min=0.0, max=1000.0)
     targets: list[str] = setting([], help="Module names to adapt (peft target_modules); empty = the family's defaults.")
+    blocks: list[str] = setting(
+        [], help="The blocks that get the adapter (kohya's train_double_block_indices / train_single_block_indices), "
+                 "as <kind>, <kind>:<index> or <kind>:<first>-<last> with the family's kinds (FLUX.1, Kontext, "
+                 "Chroma: double, single; SDXL: down, mid, up; Qwen-Image: block); empty = every block.")
+    block_ranks: dict[str, int] = setting(
+        {}, help="Rank per block selector, e.g. {\"double:0-9\" = 32} (kohya's block_dims); other blocks: lora.rank.")
+    block_alphas: dict[str, float] = setting(
+        {}, help="Alpha per block selector (kohya's block_alphas); other blocks: lora.alpha.")
+    block_lr: dict[str, float] = setting(
+        {}, help="Learning-rate multiplier per block selector (kohya's down_lr_weight / mid_lr_weight / up_lr_weight), "
+                 "e.g. {\"single\" = 0.5}; with LoRA+ the B matrices' ratio applies on top.")
     conv_rank: int = setting(0, help="Rank of the adapted Conv2d layers (LyCORIS conv_dim); 0 = lora.rank.",
                              min=0, max=1024)
     conv_alpha: float = setting(0.0, help="Alpha of the adapted Conv2d layers (LyCORIS conv_alpha); 0 = lora.alpha "

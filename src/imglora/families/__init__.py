@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .. import lora_blocks
 from ..family import EditPairs, Family, Swappable, TextEncoderTraining, supports
 from .chroma import ChromaFamily
 from .flux import FluxFamily
@@ -82,6 +83,7 @@ class Registry:
             able = [n for n in FAMILIES if getattr(FAMILIES[n], "compile_blocks", ())]
             problems.append(f"{where('memory.compile')}: compiled blocks are implemented for {_the(able)}; set it "
                             f"to \"none\" for {name}")
+        lora_blocks.check(cfg, family, where, problems)
         family.check_config(cfg, where, problems)
 
 

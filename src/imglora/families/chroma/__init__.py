@@ -41,6 +41,7 @@ class ChromaFamily:
     # FLUX.1's block projections (Chroma's blocks have no modulation layers of their own), in its blocks.
     lora_targets = FluxFamily.lora_targets
     lora_scope = FluxFamily.lora_scope
+    lora_blocks = FluxFamily.lora_blocks
     quantize_exclude = ("x_embedder", "context_embedder", "distilled_guidance_layer*", "proj_out")
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")

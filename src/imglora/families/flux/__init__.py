@@ -40,6 +40,7 @@ class FluxFamily:
     )
     # Only inside the blocks: the final projection is also called proj_out.
     lora_scope = r"(transformer_blocks|single_transformer_blocks)\.\d+\."
+    lora_blocks = {"double": "transformer_blocks", "single": "single_transformer_blocks"}  # lora.blocks' kinds
     quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
     adapter_types = ("lora", "dora", "loha", "lokr")  # all on fp8 bases too (DoRA norms the dequantized weight)

@@ -45,6 +45,7 @@ class QwenImageFamily:
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
     lora_scope = r"transformer_blocks\.\d+\."
+    lora_blocks = {"block": "transformer_blocks"}  # lora.blocks' kinds
     # Kept in the load precision under fp8: the embedders and the final layers (as for FLUX.1). The
     # blocks' modulation layers are quantized: they are a third of the model's weights (2 × 3072 × 18432
     # per block), and musubi-tuner and ai-toolkit quantize them too.

@@ -32,6 +32,7 @@ class SdxlFamily:
     text_max_length = 77
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     lora_scope = ""
+    lora_blocks = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}  # lora.blocks' kinds
     quantize_exclude = ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
     compile_blocks = ("BasicTransformerBlock", "ResnetBlock2D")  # memory.compile = "blocks": the UNet's repeated blocks
     quantizations: tuple[str, ...] = ()
