@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from imglora.commands.common import load_config
 from imglora import lora
 from imglora.families.llm.chat import IGNORE, encode, length_report, percentile, read_jsonl
-from imglora.errors import DataError, ImgloraError
+from imglora.errors import ConfigError, DataError, ImgloraError
 from imglora.families import get_family
 from imglora.families.llm import ADAPTER_FILE, LlmTrainable
 from imglora.models import ModelSource, resolve_model
@@ -276,6 +276,29 @@ def test_training_logs_validation_and_records_qint4(run) -> None:
     assert rec["status"] == "ok" and rec["steps_done"] == 8 and len(rec["dataset_version"]) == 64
     assert rec["memory"]["qint4"]["bytes_after"] < rec["memory"]["qint4"]["bytes_before"]
     assert rec["final_val_loss"] == pytest.approx(val[-1])
+    # the preset's auto 4-bit base: on the CPU, qint4, and the run says why
+    assert cfg.memory.quantization == "auto"
+    assert rec["memory"]["quantization"] == {"setting": "auto", "ran": "qint4",
+                                             "why": "auto: not a CUDA device (bitsandbytes' NF4 runs on CUDA)"}
+    assert 'memory.quantization = "auto": qint4 (not a CUDA device (bitsandbytes\' NF4 runs on CUDA))' in lines
+
+
+def test_auto_is_nf4_on_cuda_with_bitsandbytes_else_qint4(monkeypatch) -> None:
+    """QLoRA's recipe (bitsandbytes NF4, double quantization) where it runs; qint4 elsewhere."""
+    import importlib.util
+
+    from imglora import devices
+    from imglora.memory.quant4 import resolve
+
+    assert resolve("nf4", "cpu") == ("nf4", "as set") and resolve("qint4", "cuda") == ("qint4", "as set")
+    monkeypatch.setattr(devices, "is_cuda", lambda device: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else real(name, *a))
+    assert resolve("auto", "cuda") == ("nf4", "auto: a CUDA GPU with bitsandbytes")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert resolve("auto", "cuda") == ("qint4", 'auto: bitsandbytes is not installed (pip install "imglora[bnb]" for NF4)')
+    with pytest.raises(ConfigError, match=r"memory.quantization: 4-bit quantization is for the llm family; the flux"):
+        load_config(REPO / "presets" / "tiny-flux.toml", ['memory.quantization="auto"', "memory.fp8=false"])
 
 
 def test_adapter_loads_in_peft_changes_logits_and_merges(run, model_dir: Path, tmp_path: Path) -> None:

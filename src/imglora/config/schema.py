@@ -337,8 +337,10 @@ class MemoryConfig:
     blocks_to_swap: int = setting(0, help="Transformer blocks kept in host memory and streamed to the GPU as they "
         "run; the family maps a count onto its block lists (as kohya sd-scripts counts).", min=0, max=1000,
         resume_safe=True)
-    quantization: Literal["none", "qint4", "nf4"] = setting("none", help="4-bit frozen base weights: qint4 "
-        "(optimum-quanto) or nf4 (bitsandbytes, CUDA), where the family supports it.")
+    quantization: Literal["none", "auto", "qint4", "nf4"] = setting("none", help="4-bit frozen base weights, where "
+        "the family supports it: qint4 (optimum-quanto, any device) or nf4 (bitsandbytes NormalFloat4 with double "
+        "quantization, the QLoRA recipe; CUDA); auto: nf4 on a CUDA GPU with bitsandbytes installed, else qint4 "
+        "(the run says which, and why).")
     offload_checkpoints: bool = setting(
         False, help="With gradient checkpointing: keep each block's saved inputs in pinned host memory, copied back "
                     "when backward recomputes the block (kohya's cpu_offload_checkpointing; about 1.5 GiB less for a "

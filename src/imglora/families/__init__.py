@@ -55,7 +55,7 @@ class Registry:
                 problems.append(f"{where(key)}: block swapping is implemented for {_the(self.supporting(Swappable))} "
                                 f"only; set it to 0 for {name}")
         q = cfg.memory.quantization
-        if q != "none" and q not in family.quantizations:
+        if q != "none" and (q not in family.quantizations if q != "auto" else not family.quantizations):
             able = [n for n in FAMILIES if FAMILIES[n].quantizations]
             problems.append(f"{where('memory.quantization')}: 4-bit quantization is for {_the(able)}; the {name} "
                             "family uses memory.fp8")

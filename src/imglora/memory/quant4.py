@@ -37,6 +37,22 @@ NF4_NEEDS_BNB = ("memory.quantization = \"nf4\" needs bitsandbytes (CUDA): pip i
                  "or use qint4")
 
 
+def resolve(kind: str, device: torch.device | str) -> tuple[str, str]:
+    """(the 4-bit kind that runs, why) for memory.quantization ``kind``: ``auto`` is nf4 (the QLoRA
+    recipe) on a CUDA GPU with bitsandbytes installed, else qint4; the others are themselves."""
+    from importlib.util import find_spec
+
+    from ..devices import is_cuda
+
+    if kind != "auto":
+        return kind, "as set"
+    if not is_cuda(device):
+        return "qint4", "auto: not a CUDA device (bitsandbytes' NF4 runs on CUDA)"
+    if find_spec("bitsandbytes") is None:
+        return "qint4", "auto: bitsandbytes is not installed (pip install \"imglora[bnb]\" for NF4)"
+    return "nf4", "auto: a CUDA GPU with bitsandbytes"
+
+
 def quantize_4bit(model: nn.Module, exclude: Sequence[str] = (), kind: Literal["qint4", "nf4"] = "qint4", *,
                   device: torch.device | str | None = None) -> QuantReport:
     """Store the frozen ``nn.Linear`` weights of ``model`` in 4 bits, in place.

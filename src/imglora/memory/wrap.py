@@ -102,12 +102,16 @@ def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: 
             out("memory.offload_checkpoints: this model takes no checkpoint function; boundaries stay on the device")
         setup.facts["offload_checkpoints"] = setup.offload.facts if setup.offload is not None else False
     if m.quantization != "none":
-        from .quant4 import quantize_4bit
+        from .quant4 import quantize_4bit, resolve
 
-        q4 = quantize_4bit(model, family.quantize_exclude, m.quantization, device=device)
+        kind, why = resolve(m.quantization, device)
+        if m.quantization == "auto":
+            out(f"memory.quantization = \"auto\": {kind} ({why.removeprefix('auto: ')})")
+        q4 = quantize_4bit(model, family.quantize_exclude, kind, device=device)
         out(q4.summary())
-        setup.facts[m.quantization] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
-                                       "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
+        setup.facts[kind] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
+                             "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
+        setup.facts["quantization"] = {"setting": m.quantization, "ran": kind, "why": why}
     plan = swap_plan(model, family, cfg, blocks_to_swap)
     lists, counts = [name for name, _ in plan], [sum(block_mask) for _, block_mask in plan]
     if not any(counts):
