@@ -164,7 +164,7 @@ def test_fp8_with_4bit_quantization_names_both_keys() -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(REPO / "presets" / "tiny-llm.toml", ["memory.fp8=true"])
     msg = str(exc.value)
-    assert "memory.fp8 = true and memory.quantization = \"qint4\" both quantize the frozen base" in msg
+    assert "memory.fp8 = true and memory.quantization = \"auto\" both quantize the frozen base" in msg
 
 
 def test_newer_schema_version_is_refused(tmp_path: Path) -> None:

@@ -212,8 +212,8 @@ def test_non_finite_encodings_are_never_cached(setup, monkeypatch) -> None:
     _, _, load = setup
     real = sdxl.SdxlFamily.encode_image
 
-    def overflow(self, vae, pixels):
-        out = real(self, vae, pixels)
+    def overflow(self, vae, pixels, **kw):
+        out = real(self, vae, pixels, **kw)
         out["latents"][0, 0, 0] = float("inf")
         return out
 

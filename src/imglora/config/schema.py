@@ -177,6 +177,11 @@ class CacheConfig:
         "auto", help="Precision of the VAE and text encoders while caching; auto = bf16 on CUDA, fp32 on CPU.")
     text_max_length: int = setting(0, help="Token length of cached text embeddings; 0 = the family's default.",
                                    min=0, max=4096)
+    latents: Literal["sample", "mean"] = setting(
+        "sample", help="What training sees of the VAE's posterior: sample (a fresh draw every time an image is used, "
+                       "from the mean and standard deviation cached together, as diffusers' training scripts draw "
+                       "it; kohya draws once at caching) or mean (the posterior's mean, the same latents every time). "
+                       "Keys the latent entries.")
     quantized_base: bool = setting(
         True, help="With memory.fp8 and a base model given as a file: keep the quantized model in dir/quantized "
                    "(about 12 GB for a 12B transformer), so later runs skip reading and quantizing the full-precision weights.",
@@ -203,8 +208,8 @@ class LoraConfig:
     targets: list[str] = setting([], help="Module names to adapt (peft target_modules); empty = the family's defaults.")
     blocks: list[str] = setting(
         [], help="The blocks that get the adapter (kohya's train_double_block_indices / train_single_block_indices), "
-                 "as <kind>, <kind>:<index> or <kind>:<first>-<last> with the family's kinds (FLUX.1, Kontext, "
-                 "Chroma: double, single; SDXL: down, mid, up; Qwen-Image: block); empty = every block.")
+                 "as <kind>, <kind>:<index> or <kind>:<first>-<last> with the block kinds of the model's family "
+                 "(README, Methods: double, single; down, mid, up; block); empty = every block.")
     block_ranks: dict[str, int] = setting(
         {}, help="Rank per block selector, e.g. {\"double:0-9\" = 32} (kohya's block_dims); other blocks: lora.rank.")
     block_alphas: dict[str, float] = setting(

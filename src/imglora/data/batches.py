@@ -127,7 +127,20 @@ class Batcher:
 
     def batch(self, micro_index: int, device: torch.device) -> dict[str, torch.Tensor]:
         ref = self.ref(micro_index)
-        return self._to(self.collate(self._entries(ref, range(len(ref.indices)))), device)
+        rows = range(len(ref.indices))
+        return self._to(self._sampled(self.collate(self._entries(ref, rows)), micro_index, rows), device)
+
+    def _sampled(self, batch: dict[str, torch.Tensor], micro_index: int, rows: range) -> dict[str, torch.Tensor]:
+        """cache.latents = "sample": each row's latents drawn from the VAE posterior, ``mean + std *
+        noise``, with noise of a generator seeded by (run seed, micro-batch, row): a fresh draw every
+        time an image is used, the same draw for that micro-batch in a resumed run or on any number
+        of processes."""
+        std = batch.pop("latents_std", None)
+        if std is None:
+            return batch
+        noise = torch.stack([torch.randn(std.shape[1:], generator=torch.Generator().manual_seed(
+            _row_seed(self.seed, micro_index, r)), dtype=std.dtype) for r in rows])
+        return {**batch, "latents": batch["latents"] + std * noise}
 
     def part(self, micro_index: int, device: torch.device, rank: int, world: int,
              units: Callable[[list[dict[str, torch.Tensor]]], float] | None = None) -> "Part":
@@ -145,7 +158,7 @@ class Batcher:
         mine = self._entries(ref, rows)
         count = units or len
         scale = count(mine) / count(self._entries(ref, range(len(ref.indices))))
-        return Part(self._to(self.collate(mine), device), rows, scale)
+        return Part(self._to(self._sampled(self.collate(mine), micro_index, rows), device), rows, scale)
 
     def _entries(self, ref: BatchRef, rows: range) -> list[dict[str, torch.Tensor]]:
         return [self.samples[ref.indices[j]].entry(ref.variants[j], ref.texts[j]) for j in rows]
@@ -155,6 +168,13 @@ class Batcher:
         if is_cuda(device):  # only a copy from page-locked memory is truly asynchronous
             batch = {k: t.pin_memory() for k, t in batch.items()}
         return {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+
+
+def _row_seed(seed: int, micro_index: int, row: int) -> int:
+    """A 63-bit seed for one row of one micro-batch of a run."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}/latents/{micro_index}/{row}".encode()).digest()[:8], "big") >> 1
 
 
 def _shares(total: int, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:

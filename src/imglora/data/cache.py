@@ -3,6 +3,7 @@
 Each entry is one safetensors file named by the sha256 of everything that determines its content:
 - latents: the image's bytes, its bucket, the crop (mode and, for random crops, the seed that
   fixes the offset), the flip, its loss mask (the mask file's bytes, or the alpha channel's use),
+  whether the VAE posterior's standard deviation is kept beside its mean (``cache.latents``),
   for edit pairs its source images' bytes (encoded in the same entry as ``control_latents``),
   the VAE's identity (checksum of its weights and config) and dtype; the mask, resized and
   cropped with the image, is stored in the entry beside the latents;
@@ -67,6 +68,7 @@ class LatentSpec:
     key: str
     crop: str = "center"
     alpha_mask: bool = False  # the mask is the image's alpha channel (item.mask: a mask file)
+    posterior_std: bool = False  # cache.latents = "sample": the posterior's standard deviation cached too
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     text_id = record.identity(family.text_folders(src))
     sets = cfg.data.all_sets
     latents = []
+    sampled = cfg.cache.latents == "sample"
     for item in scanned.items:
         s = sets[item.set_index]
         sha = sha256_file(item.path)
@@ -152,11 +155,13 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
         mask = {"mask": sha256_file(item.mask)} if item.mask else {"mask": "alpha"} if s.alpha_mask else {}
         if item.controls:  # edit pairs: the source images' bytes (and order) key the entry too
             mask["controls"] = [sha256_file(c) for c in item.controls]
+        if sampled:  # the standard deviation beside the mean (entries of the mean keep their keys)
+            mask["posterior"] = "sample"
         for flip in ((False, True) if s.flip else (False,)):
             key = _key({"kind": "latents", "family": family.name, "image": sha, "bucket": list(item.bucket),
                         "crop": s.crop, "crop_seed": crop_seed, "flip": flip, "vae": vae_id,
                         "dtype": enc_dtype, **mask})
-            latents.append(LatentSpec(item, sha, flip, crop_seed, key, s.crop, s.alpha_mask))
+            latents.append(LatentSpec(item, sha, flip, crop_seed, key, s.crop, s.alpha_mask, sampled))
     held = set(split_holdout(cfg, scanned)[1].items)
     choices = {item: choice_for(item, sets[item.set_index], held_out=item in held) for item in scanned.items}
     texts = {}
@@ -254,7 +259,7 @@ def encode_latent(family: "Family", vae: Any, spec: LatentSpec) -> dict[str, "to
     if spec.flip:
         fit = fit.flipped()
     pixels = torch.from_numpy(np.asarray(fit.image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
-    out = family.encode_image(vae, pixels)
+    out = family.encode_image(vae, pixels, std=True) if spec.posterior_std else family.encode_image(vae, pixels)
     if fit.mask is not None:  # weights per latent pixel, stored with the latents they weight
         out["loss_mask"] = latent_mask(fit.mask, tuple(out["latents"].shape[-2:]))
     if spec.item.controls:  # edit pairs: each source fitted to the target's bucket (same crop and flip)

@@ -55,6 +55,18 @@ def load_vae(family: Any, src: "ModelSource", device: torch.device, dtype: torch
     return own_module(AutoencoderKL.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)).to(device).eval()
 
 
+def scaled_posterior(dist: Any, std: bool, scale: Callable[[torch.Tensor], torch.Tensor],
+                     factor: float) -> dict[str, torch.Tensor]:
+    """The VAE posterior of one image as a cache entry: ``scale(mean)`` as the latents the model
+    sees, and with ``std`` the standard deviation in the same units (``factor`` times it: the
+    family's scaling is affine), so that ``latents + latents_std * noise`` is ``scale`` of a
+    posterior sample (cache.latents = "sample")."""
+    out = {"latents": scale(dist.mean)[0].float().cpu()}
+    if std:
+        out["latents_std"] = (dist.std * factor)[0].float().cpu()
+    return out
+
+
 def prepare_data(family: Any, cfg: "Config", src: "ModelSource", device: torch.device) -> Any:
     from ..data.cache import prepare_images
 

@@ -95,10 +95,10 @@ class FluxFamily:
         return common.load_vae(self, src, device, dtype)
 
     @torch.no_grad()
-    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-        latents = (latents[0] - vae.config.shift_factor) * vae.config.scaling_factor
-        return {"latents": latents.float().cpu()}
+    def encode_image(self, vae: Any, pixels: torch.Tensor, std: bool = False) -> dict[str, torch.Tensor]:
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        c = vae.config
+        return common.scaled_posterior(dist, std, lambda x: (x - c.shift_factor) * c.scaling_factor, c.scaling_factor)
 
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast

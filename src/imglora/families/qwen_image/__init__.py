@@ -100,10 +100,14 @@ class QwenImageFamily:
         return own_module(vae).to(device).eval()
 
     @torch.no_grad()
-    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        # One frame of the 3D VAE: [B, C, 1, H, W]; the posterior's mean, normalised per channel.
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mean
-        return {"latents": model.normalize_latents(latents, vae.config)[0].float().cpu()}
+    def encode_image(self, vae: Any, pixels: torch.Tensor, std: bool = False) -> dict[str, torch.Tensor]:
+        # One frame of the 3D VAE: [B, C, 1, H, W]; the posterior's mean normalised per channel (and its
+        # standard deviation in the same units, for cache.latents = "sample").
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist
+        out = {"latents": model.normalize_latents(dist.mean, vae.config)[0].float().cpu()}
+        if std:
+            out["latents_std"] = model.normalize_std(dist.std, vae.config)[0].float().cpu()
+        return out
 
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration

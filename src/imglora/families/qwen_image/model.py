@@ -210,6 +210,12 @@ class QwenImageTrainable:
         return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma, self.train)
 
 
+def normalize_std(std: torch.Tensor, vae_config: Any) -> torch.Tensor:
+    """The posterior's standard deviation [B, C, 1, h, w] in the units of :func:`normalize_latents`."""
+    inv_std = (1.0 / torch.tensor(vae_config.latents_std)).view(1, -1, 1, 1, 1).to(std)
+    return (std * inv_std)[:, :, 0]
+
+
 def normalize_latents(latents: torch.Tensor, vae_config: Any) -> torch.Tensor:
     """[B, C, 1, h, w] VAE means → [B, C, h, w] as the transformer sees them: ``(x - mean) * (1 / std)``
     per channel, as diffusers' Qwen-Image training script computes it (QwenImagePipeline decodes

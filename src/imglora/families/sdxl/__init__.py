@@ -73,10 +73,11 @@ class SdxlFamily:
         return common.load_vae(self, src, device, dtype)
 
     @torch.no_grad()
-    def encode_image(self, vae: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        # The distribution's mean, not a sample: the cache entry is then a pure function of its key.
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-        return {"latents": (latents[0] * vae.config.scaling_factor).float().cpu()}
+    def encode_image(self, vae: Any, pixels: torch.Tensor, std: bool = False) -> dict[str, torch.Tensor]:
+        # The distribution's mean (and, for cache.latents = "sample", its standard deviation), not a
+        # sample: the cache entry is then a pure function of its key; the batches draw from them.
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        return common.scaled_posterior(dist, std, lambda x: x * vae.config.scaling_factor, vae.config.scaling_factor)
 
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
