@@ -167,6 +167,13 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
         out(f"warning: {path} was written before checkpoints carried checksums ({checkpoint.MANIFEST}), so its "
             "files cannot be verified (only checked to be whole); resuming from it as it is")
     check_same_data(state, data_version)
+    ran, now = state.get("quantization_ran"), session.memory.facts.get("quantization", {}).get("ran")
+    if ran and now and ran != now:  # memory.quantization = "auto" chose another 4-bit kind on this machine
+        raise checkpoint.ResumeRefused(
+            f"--resume refused: {path} trained on a {ran} base, and this machine would run {now} "
+            f"({session.memory.facts['quantization']['why']}); another 4-bit base would not continue the same "
+            f"training. Resume on a machine where memory.quantization = \"auto\" gives {ran} (nf4: a CUDA GPU with "
+            "bitsandbytes), or start a new run.")
     before = state.get("total_updates")
     if total < state["step"]:
         raise checkpoint.ResumeRefused(f"--resume refused: {path} is at update {state['step']}, beyond the "

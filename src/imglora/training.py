@@ -334,7 +334,7 @@ class _Run:
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
                                    extra={"dataset_version": self.data.version, "total_updates": self.total,
-                                          "processes": self.procs})
+                                          "processes": self.procs, **_quantization(self.s)})
         seconds = time.perf_counter() - t0
         self.rec.data.setdefault("checkpoint_seconds", []).append(round(seconds, 4))
         self.paused += seconds
@@ -492,3 +492,9 @@ class _StopFlag:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+
+def _quantization(session: Any) -> dict[str, Any]:
+    """The 4-bit kind the base ran in (memory.quantization = "auto" decides it per machine), for resume."""
+    ran = session.memory.facts.get("quantization", {}).get("ran")
+    return {"quantization_ran": ran} if ran else {}

@@ -414,3 +414,23 @@ def test_export_of_an_llm_run_says_what_to_use_instead(run) -> None:
         export(cfg.run_dir)
     msg = str(exc.value)
     assert "export writes image-model LoRAs" in msg and "a PEFT adapter folder" in msg and f"imglora merge {cfg.run_dir}" in msg
+
+
+def test_a_resume_on_a_machine_where_auto_picks_another_base_is_refused(run, monkeypatch) -> None:
+    """A run trained with memory.quantization = "auto" on one 4-bit kind does not continue on another."""
+    from imglora import checkpoint
+    from imglora.commands.train import train
+    from imglora.memory import quant4
+
+    cfg, _, _ = run
+    (step, path), *_ = reversed(checkpoint.list_checkpoints(cfg.run_dir))
+    assert checkpoint.load(path)["quantization_ran"] == "qint4"
+    resumed = cfg.replace(train={"max_steps": 12})
+    real_resolve = quant4.resolve
+    monkeypatch.setattr(quant4, "resolve", lambda kind, device: (
+        "nf4" if kind == "auto" else real_resolve(kind, device)[0], "auto: a CUDA GPU with bitsandbytes"))
+    monkeypatch.setattr(quant4, "quantize_4bit", lambda model, exclude, kind, device=None: quant4.QuantReport(
+        0, 0, 0, 0, (), kind))
+    with pytest.raises(checkpoint.ResumeRefused, match=r"trained on a qint4 base, and this machine would run nf4 "
+                                                      r"\(auto: a CUDA GPU with bitsandbytes\)"):
+        train(resumed, resume=True, out=lambda s: None)

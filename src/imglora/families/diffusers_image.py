@@ -294,6 +294,43 @@ def encode_prompts(family: Any, src: "ModelSource", prompts: list[str], cfg: "Co
     return out
 
 
+def encode_prompts_with_negative(family: Any, src: "ModelSource", prompts: list[str], cfg: "Config",
+                                 device: torch.device, negative: str) -> list[dict[str, torch.Tensor]]:
+    """Each prompt's embeddings with the negative prompt's beside them as ``negative_*`` (a family
+    sampled with real classifier-free guidance needs both)."""
+    encoded = encode_prompts(family, src, [*prompts, negative], cfg, device)
+    other = {f"negative_{k}": v for k, v in encoded[-1].items()}
+    return [{**e, **other} for e in encoded[:-1]]
+
+
+def guided_sampler(family: Any, src: "ModelSource", denoiser: torch.nn.Module, cfg: "Config", device: torch.device,
+                   dtype: torch.dtype, default_guidance: float,
+                   prompt_kwargs: Callable[[dict[str, torch.Tensor], torch.dtype, float], dict[str, Any]]
+                   ) -> Callable[..., Any]:
+    """A sampler over the family's pipeline for a model sampled with real classifier-free guidance
+    (a negative prompt; Chroma, Qwen-Image): the pipeline around the trained denoiser without text
+    encoders, and ``prompt_kwargs(embeds, dtype, guidance)`` giving the pipeline's prompt and
+    guidance arguments from an encoded prompt (see encode_prompts_with_negative)."""
+    import diffusers
+
+    diffusers.utils.logging.disable_progress_bar()
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(src.root, vae=family.load_vae(src, device, dtype),
+                                                               text_encoder=None, tokenizer=None, transformer=denoiser)
+    pipe.set_progress_bar_config(disable=True)
+    size = sample_size(cfg, family)
+    guidance = cfg.eval.guidance_scale or default_guidance
+    steps = cfg.eval.sample_steps
+
+    @torch.no_grad()
+    def sample(embeds: dict[str, torch.Tensor], seed: int) -> "Image.Image":
+        # A CPU generator: the same image on any device for the same seed (diffusers draws there).
+        return pipe(**prompt_kwargs(embeds, denoiser.dtype, guidance), height=size, width=size,
+                    num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+
+    sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
+    return sample
+
+
 def sample_size(cfg: "Config", family: Any) -> int:
     """The square side of evaluation images: the (first) training set's resolution, a multiple of the
     family's bucket step."""

@@ -25,8 +25,6 @@ from . import comfyui, model, singlefile, tiny
 from .config import ChromaConfig
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from ...source import ModelSource
 
 
@@ -131,34 +129,18 @@ class ChromaFamily:
     # -- evaluation -------------------------------------------------------------------------
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
         """Each prompt's embeddings and mask, with the negative prompt's (real CFG needs both)."""
-        encoded = common.encode_prompts(self, src, [*prompts, comfyui.NEGATIVE], cfg, device)
-        negative = {f"negative_{k}": v for k, v in encoded[-1].items()}
-        return [{**e, **negative} for e in encoded[:-1]]
+        return common.encode_prompts_with_negative(self, src, prompts, cfg, device, comfyui.NEGATIVE)
 
     def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Callable[..., Any]:
-        import diffusers
+        def prompt(e: dict[str, torch.Tensor], t: torch.dtype, guidance: float) -> dict[str, Any]:
+            return {"prompt_embeds": e["prompt_embeds"][None].to(device, t),
+                    "prompt_attention_mask": e["text_mask"][None].to(device),
+                    "negative_prompt_embeds": e["negative_prompt_embeds"][None].to(device, t),
+                    "negative_prompt_attention_mask": e["negative_text_mask"][None].to(device),
+                    "guidance_scale": guidance}
 
-        diffusers.utils.logging.disable_progress_bar()
-        pipe = diffusers.ChromaPipeline.from_pretrained(src.root, vae=self.load_vae(src, device, dtype),
-                                                        text_encoder=None, tokenizer=None, transformer=denoiser)
-        pipe.set_progress_bar_config(disable=True)
-        size = common.sample_size(cfg, self)
-        guidance = cfg.eval.guidance_scale or comfyui.SAMPLING.cfg
-        steps = cfg.eval.sample_steps
-
-        @torch.no_grad()
-        def sample(e: dict[str, torch.Tensor], seed: int) -> "Image.Image":
-            t = denoiser.dtype
-            return pipe(prompt_embeds=e["prompt_embeds"][None].to(device, t),
-                        prompt_attention_mask=e["text_mask"][None].to(device),
-                        negative_prompt_embeds=e["negative_prompt_embeds"][None].to(device, t),
-                        negative_prompt_attention_mask=e["negative_text_mask"][None].to(device),
-                        height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-                        generator=torch.Generator("cpu").manual_seed(seed)).images[0]
-
-        sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
-        return sample
+        return common.guided_sampler(self, src, denoiser, cfg, device, dtype, comfyui.SAMPLING.cfg, prompt)
 
     # -- export: FLUX.1's key forms (ComfyUI's Chroma is a FLUX model) -----------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str,

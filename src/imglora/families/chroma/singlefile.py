@@ -59,19 +59,12 @@ def resolve_files(model: Any, find: Any) -> Any:
     (``model.text_encoder``) and the VAE (``model.vae``), with the shipped Chroma1-HD configs (or
     ``model.config``) and T5's tokenizer (the Hugging Face cache, or ComfyUI's)."""
     from ...source import ModelSource
-    from ..singlefile.configdir import assemble, find_tokenizer, override
+    from ..singlefile.configdir import assemble, find_parts, find_tokenizer, override
 
     path = find(model.path, ("diffusion_models", "checkpoints"), "model.path")
     expect(path, KIND)
-    files = {"transformer": path}
-    missing = []
-    for part, (key, folders, kind, example) in PARTS.items():
-        name = getattr(model, key)
-        if name:
-            files[part] = find(name, folders, f"model.{key}")
-            expect(files[part], kind)
-        else:
-            missing.append(f"model.{key} (e.g. {example})")
+    parts, missing = find_parts(model, find, PARTS, expect)
+    files = {"transformer": path, **parts}
     if model.text_encoder_2:
         raise ModelSourceError("model.text_encoder_2: Chroma has one text encoder (T5-XXL); give it as "
                                "model.text_encoder")

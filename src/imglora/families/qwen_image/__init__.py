@@ -24,8 +24,6 @@ from . import comfyui, keys, model, singlefile, tiny
 from .config import QwenImageConfig
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from ...source import ModelSource
 
 
@@ -158,37 +156,18 @@ class QwenImageFamily:
     # -- evaluation -------------------------------------------------------------------------
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
         """Each prompt's hidden states, with the negative prompt's (real CFG needs both)."""
-        encoded = common.encode_prompts(self, src, [*prompts, comfyui.NEGATIVE], cfg, device)
-        negative = {f"negative_{k}": v for k, v in encoded[-1].items()}
-        return [{**e, **negative} for e in encoded[:-1]]
+        return common.encode_prompts_with_negative(self, src, prompts, cfg, device, comfyui.NEGATIVE)
 
     def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
                      dtype: torch.dtype) -> Callable[..., Any]:
-        import diffusers
+        def prompt(e: dict[str, torch.Tensor], t: torch.dtype, guidance: float) -> dict[str, Any]:
+            ones = {k: torch.ones(1, e[k].shape[0], dtype=torch.long, device=device)  # every token (one prompt)
+                    for k in ("prompt_embeds", "negative_prompt_embeds")}
+            return {"prompt_embeds": e["prompt_embeds"][None].to(device, t), "prompt_embeds_mask": ones["prompt_embeds"],
+                    "negative_prompt_embeds": e["negative_prompt_embeds"][None].to(device, t),
+                    "negative_prompt_embeds_mask": ones["negative_prompt_embeds"], "true_cfg_scale": guidance}
 
-        diffusers.utils.logging.disable_progress_bar()
-        pipe = diffusers.QwenImagePipeline.from_pretrained(src.root, vae=self.load_vae(src, device, dtype),
-                                                           text_encoder=None, tokenizer=None, transformer=denoiser)
-        pipe.set_progress_bar_config(disable=True)
-        size = common.sample_size(cfg, self)
-        guidance = cfg.eval.guidance_scale or comfyui.SAMPLING.cfg
-        steps = cfg.eval.sample_steps
-
-        @torch.no_grad()
-        def sample(e: dict[str, torch.Tensor], seed: int) -> "Image.Image":
-            t = denoiser.dtype
-
-            def ones(x: torch.Tensor) -> torch.Tensor:
-                return torch.ones(1, x.shape[0], dtype=torch.long, device=device)
-
-            return pipe(prompt_embeds=e["prompt_embeds"][None].to(device, t), prompt_embeds_mask=ones(e["prompt_embeds"]),
-                        negative_prompt_embeds=e["negative_prompt_embeds"][None].to(device, t),
-                        negative_prompt_embeds_mask=ones(e["negative_prompt_embeds"]),
-                        true_cfg_scale=guidance, height=size, width=size, num_inference_steps=steps,
-                        generator=torch.Generator("cpu").manual_seed(seed)).images[0]
-
-        sample.settings = {"size": size, "steps": steps, "guidance": guidance}  # type: ignore[attr-defined]
-        return sample
+        return common.guided_sampler(self, src, denoiser, cfg, device, dtype, comfyui.SAMPLING.cfg, prompt)
 
     # -- export -------------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str,

@@ -39,19 +39,12 @@ def resolve_files(model: Any, find: Any) -> Any:
     (``model.text_encoder``) and the VAE (``model.vae``), with the shipped configs (or
     ``model.config``) and Qwen2.5's tokenizer."""
     from ...source import ModelSource
-    from ..singlefile.configdir import assemble, find_tokenizer, override
+    from ..singlefile.configdir import assemble, find_parts, find_tokenizer, override
 
     path = find(model.path, ("diffusion_models", "unet", "checkpoints"), "model.path")
     expect(path, KIND)
-    files = {"transformer": path}
-    missing = []
-    for part, (key, folders, kind, example) in PARTS.items():
-        name = getattr(model, key)
-        if name:
-            files[part] = find(name, folders, f"model.{key}")
-            expect(files[part], kind)
-        else:
-            missing.append(f"model.{key} (e.g. {example})")
+    parts, missing = find_parts(model, find, PARTS, expect)
+    files = {"transformer": path, **parts}
     if model.text_encoder_2:
         raise ModelSourceError("model.text_encoder_2: Qwen-Image has one text encoder (Qwen2.5-VL-7B); give it as "
                                "model.text_encoder")

@@ -38,6 +38,22 @@ def override(config: str, marker: str = "model_index.json") -> Path:
     return folder
 
 
+def find_parts(model: Any, find: Any, parts: dict[str, tuple[str, tuple[str, ...], str, str]],
+               expect: Any) -> tuple[dict[str, Path], list[str]]:
+    """The files of a model's other parts: ``parts`` maps a part to (its preset key, the ComfyUI
+    folders to look in, the kind of file, an example name). Returns {part: file} of those the preset
+    names (each checked to be of its kind) and the preset keys still missing, with their examples."""
+    files, missing = {}, []
+    for part, (key, folders, kind, example) in parts.items():
+        name = getattr(model, key)
+        if name:
+            files[part] = find(name, folders, f"model.{key}")
+            expect(files[part], kind)
+        else:
+            missing.append(f"model.{key} (e.g. {example})")
+    return files, missing
+
+
 def find_tokenizer(kind: str, hub: list[tuple[str, str]], comfyui: str, what: str) -> tuple[Path, bool]:
     """A tokenizer folder of ``kind`` ("clip", "t5" or "qwen25"): the first ``(repo, subfolder)`` of ``hub``
     in the local Hugging Face cache, else ComfyUI's. Returns (folder, from ComfyUI)."""
