@@ -88,6 +88,7 @@ def test_block_learning_rates_and_lora_plus_make_the_optimizer_groups() -> None:
     assert len(lora.parameter_groups(model, 1e-3)) == 1
 
 
+@pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_a_run_with_block_settings_resumes_exactly(small_run, tmp_path: Path) -> None:
     base = [*small_run(("01_sky", "03_table")), "train.max_steps=4", "train.warmup_steps=0", "train.log_every=1",
             "train.checkpoint_every=2", 'lora.blocks=["double:0-1", "single"]', 'lora.block_ranks={"single:0-1" = 4}',

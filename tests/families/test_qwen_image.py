@@ -235,6 +235,7 @@ def qwen_run(tmp_path_factory, sample_dataset):
     return cfg, train(cfg, out=lambda s: None)
 
 
+@pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(qwen_run, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -254,6 +255,7 @@ def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(qwen_run, tmp_path: 
     assert losses(resumed.run_dir) == losses(cfg.run_dir) and len(losses(cfg.run_dir)) == 4
 
 
+@pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_eval_at_strength_0_is_the_base_pipeline_with_real_cfg(qwen_run) -> None:
     import numpy as np
     from diffusers import QwenImagePipeline
