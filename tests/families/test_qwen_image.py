@@ -63,9 +63,6 @@ class Fixed:
     def randn(self, shape, device=None, dtype=None):
         return self.noise.reshape(shape) if len(shape) > 1 else torch.logit(self.sigma)  # sigmoid(logit) = sigma
 
-    def rand(self, shape, device=None):
-        return self.sigma
-
 
 def test_the_template_is_cut_where_the_real_tokenizer_cuts_it(pipe) -> None:
     # The tiny tokenizer splits QwenImagePipeline's template as Qwen2.5-VL's does: 34 tokens before the

@@ -1,5 +1,6 @@
-"""The FLUX transformer read block by block, from a BFL-layout file (``singlefile``) or a diffusers
-folder's (sharded) safetensors alike, each block made ready as it is read: quantized to fp8 with
+"""The FLUX transformer (and any diffusers transformer whose block lists the caller names: Chroma's,
+Qwen-Image's) read block by block, from a single file (BFL's layout for FLUX.1, ``singlefile``; a
+family's own reader otherwise) or a diffusers folder's (sharded) safetensors alike, each block made ready as it is read: quantized to fp8 with
 ``memory.fp8`` (on the GPU when there is one: far faster than on the host), then kept on the device,
 or on the host when it will be swapped. The host never holds the whole model in its load dtype,
 whichever way the model is given (reading a diffusers folder whole and quantizing it afterwards
