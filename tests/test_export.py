@@ -43,8 +43,8 @@ def base_model(family: str):
     from diffusers import (ChromaTransformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
                            UNet2DConditionModel)
 
-    cls = {"sdxl": UNet2DConditionModel, "chroma": ChromaTransformer2DModel,
-           "qwen_image": QwenImageTransformer2DModel}.get(family, FluxTransformer2DModel)
+    cls = {"sdxl": UNet2DConditionModel, "chroma": ChromaTransformer2DModel, "qwen_image": QwenImageTransformer2DModel,
+           "qwen_image_edit_plus": QwenImageTransformer2DModel}.get(family, FluxTransformer2DModel)
     return cls.from_pretrained(resolve_model(f"tiny:{family}", get_family(family)).root, subfolder=get_family(family).denoiser).eval()
 
 
@@ -258,20 +258,24 @@ def qwen_image_key_map(transformer: nn.Module):
     return out
 
 
-@pytest.mark.parametrize("fmt, pattern", [
-    ("default", r"^diffusion_model\.transformer_blocks\.\d+\.[a-z0-9_.]+\.(lora_down\.weight|lora_up\.weight|alpha)$"),
-    ("kohya", r"^lora_unet_transformer_blocks_\d+_[a-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)$")])
-def test_qwen_image_export_maps_in_comfyui_with_exact_deltas(fmt: str, pattern: str, tmp_path) -> None:
-    run, model = make_run(tmp_path, "qwen_image", rank=4, alpha=6.0)
+@pytest.mark.parametrize("family, fmt, pattern", [
+    ("qwen_image", "default", r"^diffusion_model\.transformer_blocks\.\d+\.[a-z0-9_.]+\.(lora_down\.weight|lora_up\.weight|alpha)$"),
+    ("qwen_image", "kohya", r"^lora_unet_transformer_blocks_\d+_[a-z0-9_]+\.(lora_down\.weight|lora_up\.weight|alpha)$"),
+    # The Edit models are Qwen-Image's transformer: ComfyUI loads their LoRAs with the same map.
+    ("qwen_image_edit_plus", "default", r"^diffusion_model\.transformer_blocks\.\d+\.[a-z0-9_.]+\.(lora_down\.weight|lora_up\.weight|alpha)$")])
+def test_qwen_image_export_maps_in_comfyui_with_exact_deltas(family: str, fmt: str, pattern: str, tmp_path) -> None:
+    run, model = make_run(tmp_path, family, rank=4, alpha=6.0)
     sd = tensors_of(export_run(run, out=tmp_path / "q.safetensors", fmt=fmt, dtype="fp32").path)
     assert sd and all(re.match(pattern, k) for k in sd), [k for k in sd if not re.match(pattern, k)][:5]
-    deltas, not_loaded = comfy_load(sd, qwen_image_key_map(base_model("qwen_image")))
+    deltas, not_loaded = comfy_load(sd, qwen_image_key_map(base_model(family)))
     assert not not_loaded, sorted(not_loaded)[:5]
     assert_deltas_equal(deltas, trained_deltas(model))
     last = len(model.transformer_blocks) - 1  # its text stream's outputs are never read: not adapted
     assert f"transformer_blocks.{last}.txt_mlp.net.2" not in deltas and f"transformer_blocks.{last}.attn.add_q_proj" in deltas
     meta = header(tmp_path / "q.safetensors")
     assert meta["ss_base_model_version"] == "qwen_image" and meta["ss_timestep_sampling"] == "shift"
+    assert meta["modelspec.architecture"] == {"qwen_image": "Qwen-Image/lora",
+                                              "qwen_image_edit_plus": "Qwen-Image-Edit-2509/lora"}[family]
 
 
 @pytest.mark.parametrize("fmt", ["default", "kohya"])

@@ -174,7 +174,11 @@ class EditPairs(Protocol):
     set's ``control_dir`` (``imglora.data.controls``); the cache stores their latents beside the
     target's as ``control_latents`` ``[k, C, h, w]``, and the loss conditions on them. The
     evaluation pass's prompts carry their source image too (``eval.control_images``, else the
-    data's own pairs), shown beside the results on the contact sheet."""
+    data's own pairs), shown beside the results on the contact sheet.
+
+    A family whose text encoder reads the sources with the caption (Qwen-Image-Edit: a vision-language
+    model) sets ``text_reads_sources = True``: each image's text entries are then its own, keyed by
+    its sources too, and ``encode_text`` gets ``sources=`` (the images fitted to the bucket)."""
 
     control_images: int  # the most source images a target takes (1; several for multi-image edit models)
 

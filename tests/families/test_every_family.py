@@ -42,11 +42,12 @@ def small_config(name: str, tmp_path: Path, sample_dataset: Path) -> config.Conf
         f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "train.max_steps=2", "train.warmup_steps=0", *extra])
 
 
-@pytest.fixture(params=NAMES)
-def prepared(request, tmp_path: Path, sample_dataset: Path):
+@pytest.fixture(scope="module", params=NAMES)
+def prepared(request, tmp_path_factory):
+    """Prepared once per family (no test changes it): the data each test reads, cached once."""
     name = request.param
     family = registry.get(name)
-    cfg = small_config(name, tmp_path, sample_dataset)
+    cfg = small_config(name, tmp_path_factory.mktemp(name), REPO / "sample_datasets" / "sks_toy")
     model_dir = resolve_model(cfg.model.path, family)
     data = family.prepare_data(cfg, model_dir, torch.device("cpu"))
     return family, cfg, model_dir, data

@@ -176,7 +176,7 @@ def test_the_config_asks_for_sources_where_they_belong(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.control_dir: missing required key for the flux_kontext family"):
         load_config(PRESET, ['data.control_dir=""'])
     with pytest.raises(ConfigError, match=r"data.control_dir: source images are for the edit-model families "
-                                          r"\(flux_kontext\); the flux family trains on images alone"):
+                                          r"\(flux_kontext, qwen_image_edit, qwen_image_edit_plus\); the flux family trains on images alone"):
         load_config(REPO / "presets" / "tiny-flux.toml", ['data.control_dir="x"'])
     with pytest.raises(ConfigError, match=r"data.control_path: unknown key \(that is another trainer's name; imglora's is control_dir\)"):
         load_config(PRESET, ['data.control_path="x"'])

@@ -9,7 +9,9 @@ Each entry is one safetensors file named by the sha256 of everything that determ
   cropped with the image, is stored in the entry beside the latents;
 - text: the exact text, the text encoders' and tokenizers' identity, the token length, dtype. Each
   text variant a run may train on is an entry of its own: a caption's shuffled / tag-dropped
-  variants and the empty caption of caption dropout (``captions``).
+  variants and the empty caption of caption dropout (``captions``). Where the family's text
+  encoder reads the source images too (``text_reads_sources``: Qwen-Image-Edit), a text entry is
+  one image's: its sources' bytes, bucket and crop key it as well.
 Change any of these and the key changes, so a stale entry can never be found, let alone used.
 Entries carry their own key and a checksum of their tensors in the header; an entry that is
 corrupt, or that is another valid entry copied or renamed into its place, is detected on read
@@ -44,6 +46,7 @@ from .masks import latent_mask
 from .samples import PreparedData, Sample
 from .scan import data_version, scan, scan_result, set_records, split_holdout
 from .store import Cache, CorruptEntry
+from .cache_warnings import mask_warning, overflow_warning
 
 if TYPE_CHECKING:
     from ..source import ModelSource
@@ -75,6 +78,9 @@ class LatentSpec:
 class TextSpec:
     caption: str  # the text encoded: a caption, one of its variants, or "" (caption dropout)
     key: str
+    item: DatasetItem | None = None  # text_reads_sources: the image whose sources the encoder reads with it
+    crop: str = "center"  # ... fitted to its bucket as its latents' sources are (unflipped)
+    crop_seed: int = 0
 
 
 @dataclass
@@ -87,6 +93,11 @@ class CachePlan:
     identities: dict[str, str] = field(default_factory=dict)
     choices: dict[DatasetItem, TextChoice] = field(default_factory=dict)  # what each image's caption trains as
     text_options: dict[str, Any] = field(default_factory=dict)  # family.text_options: keyed, passed to encode_text
+    per_image_text: bool = False  # text_reads_sources: texts are keyed by (text, item), not by text
+
+    def text_ref(self, item: DatasetItem, text: str) -> Any:
+        """The key of ``item``'s ``text`` in ``texts``."""
+        return (text, item) if self.per_image_text else text
 
 
 @dataclass
@@ -125,12 +136,12 @@ def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan
     """The part of a plan that covers some of its images (their latents and captions)."""
     keep = set(items)
     choices = {i: c for i, c in the_plan.choices.items() if i in keep}
-    texts = {t for c in choices.values() for t in c.texts()}
+    refs = {the_plan.text_ref(i, t) for i, c in choices.items() for t in c.texts()}
     return CachePlan(scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
                      [s for s in the_plan.latents if s.item in keep],
-                     {c: s for c, s in the_plan.texts.items() if c in texts},
+                     {c: s for c, s in the_plan.texts.items() if c in refs},
                      the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities), choices,
-                     dict(the_plan.text_options))
+                     dict(the_plan.text_options), the_plan.per_image_text)
 
 
 def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -145,6 +156,7 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     sets = cfg.data.all_sets
     latents = []
     sampled = cfg.cache.latents == "sample"
+    fitted: dict[DatasetItem, dict[str, Any]] = {}  # each image's crop, for the text entries that read its sources
     for item in scanned.items:
         s = sets[item.set_index]
         sha = sha256_file(item.path)
@@ -157,6 +169,8 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
             mask["controls"] = [sha256_file(c) for c in item.controls]
         if sampled:  # the standard deviation beside the mean (entries of the mean keep their keys)
             mask["posterior"] = "sample"
+        fitted[item] = {"controls": mask.get("controls", []), "bucket": list(item.bucket), "crop": s.crop,
+                        "crop_seed": crop_seed}
         for flip in ((False, True) if s.flip else (False,)):
             key = _key({"kind": "latents", "family": family.name, "image": sha, "bucket": list(item.bucket),
                         "crop": s.crop, "crop_seed": crop_seed, "flip": flip, "vae": vae_id,
@@ -164,14 +178,20 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
             latents.append(LatentSpec(item, sha, flip, crop_seed, key, s.crop, s.alpha_mask, sampled))
     held = set(split_holdout(cfg, scanned)[1].items)
     choices = {item: choice_for(item, sets[item.set_index], held_out=item in held) for item in scanned.items}
-    texts = {}
-    for text in (dict.fromkeys(t for c in choices.values() for t in c.texts())
-                 if text_tokens.caches_text(cfg, family) else ()):
-        key = _key({"kind": "text", "family": family.name, "caption": text, "encoders": text_id,
-                    "max_length": max_len, "dtype": enc_dtype, **options})
-        texts[text] = TextSpec(text, key)
+    texts: dict[Any, TextSpec] = {}
+    per_image = bool(getattr(family, "text_reads_sources", False))
+    for item, choice in (choices.items() if text_tokens.caches_text(cfg, family) else ()):
+        for text in choice.texts():
+            ref = (text, item) if per_image else text
+            if ref in texts:
+                continue
+            view = fitted[item] if per_image else {}  # the sources as the encoder reads them
+            key = _key({"kind": "text", "family": family.name, "caption": text, "encoders": text_id,
+                        "max_length": max_len, "dtype": enc_dtype, **options, **view})
+            texts[ref] = (TextSpec(text, key, item, view["crop"], view["crop_seed"]) if per_image
+                          else TextSpec(text, key))
     return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id},
-                     choices, options)
+                     choices, options, per_image)
 
 
 def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -193,9 +213,9 @@ def _fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "to
     # Existence is enough here: entries are renamed into place only when complete. Readers verify
     # the checksum (training on load, `--verify` on demand) and drop a corrupt entry.
     todo_lat = list({s.key: s for s in the_plan.latents if not cache.has("latents", s.key)}.values())
-    todo_txt = [s for s in the_plan.texts.values() if not cache.has("text", s.key)]
+    todo_txt = list({s.key: s for s in the_plan.texts.values() if not cache.has("text", s.key)}.values())
     stats.latents_reused = len({s.key for s in the_plan.latents}) - len(todo_lat)
-    stats.texts_reused = len(the_plan.texts) - len(todo_txt)
+    stats.texts_reused = len({s.key for s in the_plan.texts.values()}) - len(todo_txt)
     stats.to_encode = len(todo_lat) + len(todo_txt)
 
     if todo_lat:
@@ -219,11 +239,12 @@ def _fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "to
         stats.loaded_text_encoders = True
         with Progress(len(todo_txt), "encoding captions", enabled=progress) as bar:
             for spec in todo_txt:
+                sources = {"sources": source_views(spec)} if spec.item is not None else {}
                 tensors = family.encode_text(encoders, spec.caption, the_plan.text_max_length,
-                                             **the_plan.text_options)
+                                             **the_plan.text_options, **sources)
                 tokens = family.count_tokens(encoders, spec.caption, the_plan.text_max_length)
-                cache.put("text", spec.key, _finite(tensors, f"caption {spec.caption!r}", the_plan.encoder_dtype),
-                          info={"tokens": tokens})
+                what = f"caption {spec.caption!r}" + (f" of {spec.item.path.name}" if spec.item is not None else "")
+                cache.put("text", spec.key, _finite(tensors, what, the_plan.encoder_dtype), info={"tokens": tokens})
                 stats.texts_encoded += 1
                 bar.update()
         del encoders
@@ -267,6 +288,14 @@ def encode_latent(family: "Family", vae: Any, spec: LatentSpec) -> dict[str, "to
     # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
     out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
     return out
+
+
+def source_views(spec: TextSpec) -> list[Any]:
+    """The source images of a text entry's image, fitted to its bucket as its latents' sources are
+    (same crop; unflipped: flipped pairs are refused where the text encoder reads the sources)."""
+    assert spec.item is not None
+    return [fit_to_bucket(open_image(c), spec.item.bucket, crop=spec.crop, seed=spec.crop_seed).image
+            for c in spec.item.controls]
 
 
 def _control(family: "Family", vae: Any, spec: LatentSpec, path: Path) -> "torch.Tensor":
@@ -402,7 +431,9 @@ def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "t
                 stats.latents_reused -= refill.latents_encoded
                 stats.texts_encoded += refill.texts_encoded
                 stats.texts_reused -= refill.texts_encoded
-    return [_sample(cfg, item, entries, the_plan.choices[item], texts) for item, entries in by_item.items()]
+    return [_sample(cfg, item, entries, the_plan.choices[item],
+                    {t: texts[the_plan.text_ref(item, t)] for t in the_plan.choices[item].texts()})
+            for item, entries in by_item.items()]
 
 
 def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Tensor"]], choice: TextChoice,
@@ -419,39 +450,6 @@ def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Ten
     return Sample(item.bucket, item.repeats, tuple(entries), texts=tuple(texts[t] for t in choice.variants),
                   caption_dropout=choice.dropout, empty_text=texts[EMPTY] if choice.dropout else None,
                   regularization=reg)
-
-
-def overflow_warning(cfg: "Config", the_plan: CachePlan) -> str | None:
-    """One warning naming the captions longer than their text encoder's token limit: they were cut
-    off when encoded, so their tail is never trained on. Read from the entries' headers (the
-    encoder counted the tokens), so it is said on every run, not only the one that encoded them."""
-    cache = Cache(cfg.cache.dir)
-    images: dict[str, list[str]] = {}
-    for item, choice in the_plan.choices.items():
-        for text in choice.variants:
-            images.setdefault(text, []).append(item.path.name)
-    long: list[str] = []
-    for caption, spec in the_plan.texts.items():
-        tokens = cache.info("text", spec.key).get("tokens", {})
-        over = [f"{name} {n} of {limit}" for name, (n, limit) in sorted(tokens.items()) if n > limit]
-        if over:
-            long.append(f"{', '.join(dict.fromkeys(images.get(caption, ['?'])[:2]))} ({'; '.join(over)} tokens)")
-    if not long:
-        return None
-    return (f"{len(long)} caption(s) are longer than the text encoder reads and are cut off (the rest is not "
-            f"trained on): {', '.join(long[:5])}{', ...' if len(long) > 5 else ''}; shorten them, or raise "
-            "cache.text_max_length where the encoder allows it")
-
-
-def mask_warning(cfg: "Config", samples: list[Sample], items: list[DatasetItem]) -> str | None:
-    """Masks that keep nothing inside the image's crop: that image then trains on nothing."""
-    empty = [item.path.name for item, s in zip(items, samples)
-             if any("loss_mask" in v and not bool(v["loss_mask"].any()) for v in s.variants)]
-    if not empty:
-        return None
-    return (f"{len(empty)} image(s) have a mask that is black wherever their bucket's crop keeps the image, so they "
-            f"train on nothing: {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}; move the white part "
-            "into the middle of the image or crop the image yourself")
 
 
 def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> PreparedData:

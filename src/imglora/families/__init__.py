@@ -19,10 +19,13 @@ from .flux import FluxFamily
 from .flux_kontext import FluxKontextFamily
 from .llm import LlmFamily
 from .qwen_image import QwenImageFamily
+from .qwen_image_edit import QwenImageEditFamily, QwenImageEditPlusFamily
 from .sdxl import SdxlFamily
 
 FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
-                             "chroma": ChromaFamily, "qwen_image": QwenImageFamily, "llm": LlmFamily}
+                             "chroma": ChromaFamily, "qwen_image": QwenImageFamily,
+                             "qwen_image_edit": QwenImageEditFamily, "qwen_image_edit_plus": QwenImageEditPlusFamily,
+                             "llm": LlmFamily}
 
 
 class Registry:

@@ -239,6 +239,12 @@ def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image
     size: ``eval.control_images`` (one for every prompt, or one per prompt), else the source of the
     training or held-out image whose caption the prompt is (with or without the trigger word, as
     default_prompts makes them)."""
+    return [images[0] for images in source_image_sets(family, cfg, prompts)]
+
+
+def source_image_sets(family: Any, cfg: "Config", prompts: list[str]) -> list[list["Image.Image"]]:
+    """As :func:`source_images`, every source of each prompt (a multi-image edit model's training
+    image has several; ``eval.control_images`` gives one per prompt)."""
     from ..data.buckets import fit_to_bucket
     from ..data.images import BadImageError, open_image
     from ..data.scan import scan, split_holdout
@@ -248,15 +254,15 @@ def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image
         if len(given) not in (1, len(prompts)):
             raise ImgloraError(f"eval.control_images has {len(given)} images for {len(prompts)} prompts; give one "
                                "source image for all prompts or one per prompt, in the prompts' order")
-        paths = given * len(prompts) if len(given) == 1 else given
+        paths = [[p] for p in (given * len(prompts) if len(given) == 1 else given)]
     else:
         train, held = split_holdout(cfg, scan(cfg, family))
         items = (*held.items, *train.items)
         trigger = _trigger(cfg, [i for i in train.items if not cfg.data.all_sets[i.set_index].regularization])
-        by_caption: dict[str, Path] = {}
+        by_caption: dict[str, list[Path]] = {}
         for item in items:
             for text in (item.caption, _without_trigger(item.caption, trigger)):
-                by_caption.setdefault(text, item.controls[0])
+                by_caption.setdefault(text, list(item.controls))
         missing = [p for p in prompts if p not in by_caption]
         if missing:
             raise ImgloraError(f"{len(missing)} evaluation prompt(s) are no training image's caption, so they have no "
@@ -265,12 +271,15 @@ def source_images(family: Any, cfg: "Config", prompts: list[str]) -> list["Image
         paths = [by_caption[p] for p in prompts]
     size = sample_size(cfg, family)
     out = []
-    for path in paths:
-        try:
-            out.append(fit_to_bucket(open_image(path), (size, size)).image)
-        except (BadImageError, FileNotFoundError, OSError) as exc:
-            raise ImgloraError(f"{path}: cannot read this source image for the evaluation ({exc}); give a png, "
-                               "jpg or webp file") from None
+    for group in paths:
+        images = []
+        for path in group:
+            try:
+                images.append(fit_to_bucket(open_image(path), (size, size)).image)
+            except (BadImageError, FileNotFoundError, OSError) as exc:
+                raise ImgloraError(f"{path}: cannot read this source image for the evaluation ({exc}); give a png, "
+                                   "jpg or webp file") from None
+        out.append(images)
     return out
 
 
@@ -305,17 +314,19 @@ def encode_prompts_with_negative(family: Any, src: "ModelSource", prompts: list[
 
 def guided_sampler(family: Any, src: "ModelSource", denoiser: torch.nn.Module, cfg: "Config", device: torch.device,
                    dtype: torch.dtype, default_guidance: float,
-                   prompt_kwargs: Callable[[dict[str, torch.Tensor], torch.dtype, float], dict[str, Any]]
-                   ) -> Callable[..., Any]:
+                   prompt_kwargs: Callable[[dict[str, torch.Tensor], torch.dtype, float], dict[str, Any]],
+                   **components: Any) -> Callable[..., Any]:
     """A sampler over the family's pipeline for a model sampled with real classifier-free guidance
     (a negative prompt; Chroma, Qwen-Image): the pipeline around the trained denoiser without text
     encoders, and ``prompt_kwargs(embeds, dtype, guidance)`` giving the pipeline's prompt and
-    guidance arguments from an encoded prompt (see encode_prompts_with_negative)."""
+    guidance arguments from an encoded prompt (see encode_prompts_with_negative). ``components``: more
+    of the pipeline's parts to leave out or replace (e.g. ``processor=None``)."""
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()
     pipe = getattr(diffusers, family.pipeline).from_pretrained(src.root, vae=family.load_vae(src, device, dtype),
-                                                               text_encoder=None, tokenizer=None, transformer=denoiser)
+                                                               text_encoder=None, tokenizer=None, transformer=denoiser,
+                                                               **components)
     pipe.set_progress_bar_config(disable=True)
     size = sample_size(cfg, family)
     guidance = cfg.eval.guidance_scale or default_guidance

@@ -147,3 +147,47 @@ def test_training_from_comfyuis_files_is_training_from_the_folder(tiny: Path, tm
     files = trained(preset("run.name=files", *names, f"model.config={q(tiny)}"))
     assert folder[0] == files[0] and len(folder[0]) == 2
     assert folder[1].keys() == files[1].keys() and all(torch.equal(folder[1][k], files[1][k]) for k in folder[1])
+
+
+def test_an_edit_model_trains_from_comfyuis_files_as_from_its_folder(tmp_path: Path, monkeypatch) -> None:
+    """qwen_image_edit_2509_*.safetensors with Qwen-Image's text encoder and VAE files: the shipped
+    Edit Plus configs (its model_index.json and image processor) with ComfyUI's Qwen2.5 tokenizer; the
+    captions, read with their sources, and the losses are the folder's."""
+    import shutil
+
+    from imglora.commands.train import train
+    from imglora.families.singlefile import configdir
+
+    family = registry.get("qwen_image_edit_plus")
+    tiny = ensure_tiny(family)
+    d = tmp_path / "files"
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {
+        "models/diffusion_models/qwen_image_edit_2509_fp32.safetensors": write_qwen_image_transformer(tiny, d / "t.safetensors"),
+        "models/text_encoders/qwen_2.5_vl_7b_fp32.safetensors": write_qwen25_vl(tiny, d / "te.safetensors"),
+        "models/vae/qwen_image_vae.safetensors": write_qwen_image_vae(tiny, d / "v.safetensors")})
+    shutil.copytree(tiny / "tokenizer", comfy / "comfy" / "text_encoders" / "qwen25_tokenizer")
+    names = [f"model.comfyui={q(comfy)}", 'model.path="qwen_image_edit_2509_fp32.safetensors"',
+             'model.text_encoder="qwen_2.5_vl_7b_fp32.safetensors"', 'model.vae="qwen_image_vae.safetensors"']
+    edits = REPO / "sample_datasets"
+
+    def preset(*extra: str):
+        return load_config(REPO / "presets" / "tiny-qwen-image-edit-plus.toml", [
+            f"data.dir={q(edits / 'edit_toy')}", f"data.control_dir={q(edits / 'edit_toy_sources')}",
+            f"cache.dir={q(tmp_path / 'cache')}", f"run.output_dir={q(tmp_path / 'runs')}", "data.resolution=64",
+            "train.max_steps=2", "train.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=0", *extra])
+
+    monkeypatch.setattr(configdir, "hub_snapshot", lambda repo: None)  # an empty Hugging Face cache
+    monkeypatch.setenv("IMGLORA_HOME", str(tmp_path / "home"))
+    shipped = resolve_model(preset(*names).model, family)
+    assert json.loads((shipped.root / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline"
+    assert (shipped.root / "processor" / "preprocessor_config.json").is_file()
+
+    def trained(cfg):
+        result = train(cfg, out=lambda s: None)
+        losses = [json.loads(x)["loss"] for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
+        return losses, load_file(str(result.adapter))
+
+    folder = trained(preset("run.name=folder"))
+    files = trained(preset("run.name=files", *names, f"model.config={q(tiny)}"))
+    assert folder[0] == files[0] and len(folder[0]) == 2
+    assert folder[1].keys() == files[1].keys() and all(torch.equal(folder[1][k], files[1][k]) for k in folder[1])

@@ -56,6 +56,7 @@ class QwenImageFamily:
     export_formats = keys.FORMATS
     pipeline = "QwenImagePipeline"
     denoiser = "transformer"
+    make_trainable = None  # the trainable's class: QwenImageTrainable (model._trainable)
 
     prepare_data = common.prepare_data
     data_version = common.data_version
@@ -130,14 +131,14 @@ class QwenImageFamily:
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude, self.make_trainable)
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
                        blocks_to_swap: int | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
+        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap, self.make_trainable)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
-        return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
+        return model.meta_trainable(src.root if src is not None else None, cfg, dtype, self.make_trainable)
 
     def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
         return model.synthetic_batch(trainable, resolution, cfg, device)

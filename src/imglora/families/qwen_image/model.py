@@ -68,7 +68,7 @@ def shift_mu(root: Path | None) -> Callable[[int], float]:
 
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
-                   quantize_exclude: tuple[str, ...]) -> "QwenImageTrainable":
+                   quantize_exclude: tuple[str, ...], make: Any = None) -> "QwenImageTrainable":
     """Read block by block (``flux.stream``): each block quantized with memory.fp8 and placed as it
     is read, so the host never holds the 20B transformer in its load dtype; the quantized model
     kept in the cache for the next run."""
@@ -78,13 +78,13 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
                                                  model_class=MODEL_CLASS, file_reader=singlefile.load_transformer,
                                                  blocks=BLOCKS)
-    trainable = _trainable(with_rope_tables(transformer), cfg, src.root)
+    trainable = _trainable(with_rope_tables(transformer), cfg, src.root, make)
     trainable.facts.update(facts)
     return trainable
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
-                   blocks_to_swap: int | None = None) -> "QwenImageTrainable":
+                   blocks_to_swap: int | None = None, make: Any = None) -> "QwenImageTrainable":
     """The real Qwen-Image transformer architecture (20B) with random weights, for benchmarks (made
     block by block on CUDA: ``diffusers_image.random_on_device``)."""
     from ..diffusers_image import builds_on_device, random_on_device
@@ -96,15 +96,15 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
         transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, blocks_to_swap)
     else:
         transformer = random_init(transformer, dtype)
-    trainable = _trainable(with_rope_tables(transformer), cfg, None)
+    trainable = _trainable(with_rope_tables(transformer), cfg, None, make)
     if facts:
         trainable.facts["full_build"] = facts
     return trainable
 
 
-def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "QwenImageTrainable":
+def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, make: Any = None) -> "QwenImageTrainable":
     """The transformer of ``root`` (None: Qwen-Image's shipped config) on the meta device, frozen."""
-    return _trainable(_meta(root or CONFIGS, dtype).requires_grad_(False), cfg, root)
+    return _trainable(_meta(root or CONFIGS, dtype).requires_grad_(False), cfg, root, make)
 
 
 def with_rope_tables(transformer: Any) -> Any:
@@ -128,10 +128,12 @@ def _meta(root: Path, dtype: torch.dtype) -> Any:
         return torch.nn.Module.to(QwenImageTransformer2DModel.from_config(config), dtype)
 
 
-def _trainable(transformer: Any, cfg: Any, root: Path | None) -> "QwenImageTrainable":
+def _trainable(transformer: Any, cfg: Any, root: Path | None, make: Any = None) -> "QwenImageTrainable":
+    """``make(transformer, settings, train, mu)``: the trainable's class (a family built on Qwen-Image's
+    transformer gives its own; default QwenImageTrainable)."""
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    return QwenImageTrainable(transformer, cfg.family, cfg.train, shift_mu(root))
+    return (make or QwenImageTrainable)(transformer, cfg.family, cfg.train, shift_mu(root))
 
 
 def synthetic_batch(trainable: "QwenImageTrainable", resolution: int, cfg: Any,
@@ -198,16 +200,23 @@ class QwenImageTrainable:
         latents = batch["latents"]
         n, _, h, w = latents.shape
         x0, noise, sigma, noisy = noised(self.settings, latents, generator, self.shift_mu)
+        references, shapes = self.reference_tokens(batch)
         dtype = self.model.dtype
         pred = self.model(
-            hidden_states=noisy.to(dtype),
+            hidden_states=torch.cat([noisy, *references], dim=1).to(dtype),
             encoder_hidden_states=batch["prompt_embeds"].to(dtype),
             encoder_hidden_states_mask=batch.get("prompt_mask"),
             timestep=sigma.to(dtype),  # the transformer multiplies by 1000 itself
-            img_shapes=[[(1, h // 2, w // 2)]] * n,  # per sample, (frames, rows, columns) of each image's tokens
+            # per sample, (frames, rows, columns) of each image's tokens: the noisy image's, then the references'
+            img_shapes=[[(1, h // 2, w // 2), *shapes]] * n,
             return_dict=False,
         )[0]
-        return flow_matching_loss(self.settings, batch, pred, noise, x0, sigma, self.train)
+        return flow_matching_loss(self.settings, batch, pred[:, :noisy.shape[1]], noise, x0, sigma, self.train)
+
+    def reference_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
+        """Clean image tokens appended after the noisy ones (the edit models' source images) and their
+        (frames, rows, columns); Qwen-Image itself has none."""
+        return [], []
 
 
 def normalize_std(std: torch.Tensor, vae_config: Any) -> torch.Tensor:

@@ -34,10 +34,11 @@ PARTS = {"text_encoder": ("text_encoder", ("text_encoders", "clip"), "qwen25-vl-
          "vae": ("vae", ("vae",), "vae-qwen-image", "qwen_image_vae.safetensors")}
 
 
-def resolve_files(model: Any, find: Any) -> Any:
+def resolve_files(model: Any, find: Any, overlay: Path | None = None) -> Any:
     """The transformer file (``model.path``, in ComfyUI's diffusion_models folder), Qwen2.5-VL
     (``model.text_encoder``) and the VAE (``model.vae``), with the shipped configs (or
-    ``model.config``) and Qwen2.5's tokenizer."""
+    ``model.config``) and Qwen2.5's tokenizer. ``overlay``: configs of a model that differs from
+    Qwen-Image only there (the Edit models' model_index.json and image processor)."""
     from ...source import ModelSource
     from ..singlefile.configdir import assemble, find_parts, find_tokenizer, override
 
@@ -54,7 +55,8 @@ def resolve_files(model: Any, find: Any) -> Any:
     if model.config:
         return ModelSource(override(model.config), files)
     tokenizer, _ = find_tokenizer("qwen25", TOKENIZER, model.comfyui, "Qwen-Image's Qwen2.5-VL")
-    return ModelSource(assemble("qwen-image", SHIPPED, {"tokenizer": tokenizer}, {}), files)
+    return ModelSource(assemble(overlay.name if overlay else "qwen-image", SHIPPED, {"tokenizer": tokenizer}, {},
+                                overlay), files)
 
 
 def load_transformer(path: Path, root: Path, dtype: torch.dtype = torch.float32, on_block: Any = None) -> Any:

@@ -17,11 +17,14 @@ TEMPLATE_WORDS = ("system", "user", "assistant", "Describe", "image", "by", "det
                   "texture", "quantity", "text", "spatial", "relationships", "objects")
 
 
-def build(dest: Path, seed: int) -> None:
+def build(dest: Path, seed: int, pipeline: str = "QwenImagePipeline", processor: Path | None = None,
+          words: tuple[str, ...] = ()) -> None:
+    """``processor``: a folder with an image processor's config (the Edit models): written as the real
+    repositories' ``processor/`` (the tokenizer's files beside it); ``words``: more template words."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    vocab = tp.write_qwen2_tokenizer(dest / "tokenizer", TEMPLATE_WORDS)
+    vocab = tp.write_qwen2_tokenizer(dest / "tokenizer", tuple(dict.fromkeys((*TEMPLATE_WORDS, *words))))
     special = {t: vocab - len(tp.QWEN2_SPECIAL) + i for i, t in enumerate(tp.QWEN2_SPECIAL)}
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -42,7 +45,13 @@ def build(dest: Path, seed: int) -> None:
         patch_size=2, in_channels=64, out_channels=16, num_layers=3, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=config.text_config.hidden_size, axes_dims_rope=(4, 6, 6))), dest / "transformer")
     shutil.copytree(CONFIGS / "scheduler", dest / "scheduler")  # the real model's scheduler
-    tp.write_model_index(dest, "QwenImagePipeline", {
+    extra = {}
+    if processor is not None:
+        shutil.copytree(dest / "tokenizer", dest / "processor")
+        shutil.copy(processor / "preprocessor_config.json", dest / "processor" / "preprocessor_config.json")
+        extra["processor"] = ("transformers", "Qwen2VLProcessor")
+    tp.write_model_index(dest, pipeline, {
+        **extra,
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
         "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
         "tokenizer": ("transformers", "Qwen2Tokenizer"),
