@@ -26,6 +26,22 @@ def test_an_epoch_is_every_repeat_once_and_each_batch_is_one_bucket() -> None:
     assert counts == [1, 3, 2, 1] and b.per_epoch == 4  # 4 + 3 repeats, in batches of at most 2 per bucket
 
 
+def test_edit_pairs_with_other_numbers_of_sources_never_share_a_batch() -> None:
+    # Their source tokens are concatenated after the target's: a batch needs the same count in each sample.
+    def s(sources: int) -> Sample:
+        return Sample((64, 64), 2, ({"control_latents": torch.zeros(sources, 4, 8, 8)},), sources=sources)
+
+    pool = [s(1), s(2), s(1), s(2), s(3)]
+    b = Batcher(pool, batch_size=4, seed=0)
+    refs = [b.ref(i) for i in range(b.per_epoch)]
+    assert all(len({pool[i].sources for i in r.indices}) == 1 for r in refs)
+    assert sorted(len(r.indices) for r in refs) == [2, 4, 4]  # 2 + 2 + 1 images of each count, repeats 2
+    assert all(b.batch(i, torch.device("cpu"))["control_latents"].shape[1] == pool[refs[i].indices[0]].sources
+               for i in range(len(refs)))
+    # One source (or none) keeps the plain bucket as the key: the draws of existing runs are unchanged.
+    assert s(1).batch_key == (64, 64) and s(0).batch_key == (64, 64) and s(2).batch_key == (64, 64, 2)
+
+
 def test_the_order_is_a_pure_function_of_seed_and_epoch() -> None:
     a, b, c = Batcher(samples(), 2, seed=5), Batcher(samples(), 2, seed=5), Batcher(samples(), 2, seed=6)
     run = [a.ref(i) for i in range(3 * a.per_epoch)]

@@ -37,7 +37,7 @@ def edit_config(name: str, root: Path, stems=("01_sky", "03_table"), extra_sourc
     """The family's tiny preset on some sample edit pairs in ``root`` (``extra_sources``: stem -> how
     many more sources, <stem>_1 ..., made from the others)."""
     data, sources = root / "data", root / "sources"
-    data.mkdir(exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
     sources.mkdir(exist_ok=True)
     for stem in stems:
         for f in EDITS.glob(f"{stem}.*"):

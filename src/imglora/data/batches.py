@@ -57,10 +57,10 @@ class Batcher:
         self.batch_size = batch_size
         self.seed = seed
         self.collate = collate or stack
-        self._reg_pool: dict[tuple[int, int], list[int]] = {}
+        self._reg_pool: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(samples):
             if s.regularization:
-                self._reg_pool.setdefault(s.bucket, []).extend([i] * s.repeats)
+                self._reg_pool.setdefault(s.batch_key, []).extend([i] * s.repeats)
         if self._reg_pool:
             n_train = sum(s.repeats for s in samples if not s.regularization)
             if not n_train:
@@ -71,10 +71,10 @@ class Batcher:
 
     def _epoch(self, epoch: int) -> list[BatchRef]:
         rng = random.Random(f"{self.seed}/{epoch}")
-        by_bucket: dict[tuple[int, int], list[int]] = {}
+        by_bucket: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(self.samples):
             if not s.regularization:
-                by_bucket.setdefault(s.bucket, []).extend([i] * s.repeats)
+                by_bucket.setdefault(s.batch_key, []).extend([i] * s.repeats)
         for bucket, chosen in self._regularization(epoch).items():
             by_bucket.setdefault(bucket, []).extend(chosen)
         batches = []

@@ -446,10 +446,10 @@ def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Ten
         entries = [{**e, "loss_weight": weight} for e in entries]
     if len(choice.variants) == 1 and not choice.dropout:  # one text: each variant holds it, as always
         return Sample(item.bucket, item.repeats, tuple({**e, **texts[choice.variants[0]]} for e in entries),
-                      regularization=reg)
+                      regularization=reg, sources=len(item.controls))
     return Sample(item.bucket, item.repeats, tuple(entries), texts=tuple(texts[t] for t in choice.variants),
                   caption_dropout=choice.dropout, empty_text=texts[EMPTY] if choice.dropout else None,
-                  regularization=reg)
+                  regularization=reg, sources=len(item.controls))
 
 
 def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> PreparedData:

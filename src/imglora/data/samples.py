@@ -27,6 +27,13 @@ class Sample:
     caption_dropout: float = 0.0
     empty_text: dict[str, "torch.Tensor"] | None = None
     regularization: bool = False
+    sources: int = 0  # edit pairs: the target's source images (images with other counts never share a batch)
+
+    @property
+    def batch_key(self) -> tuple[int, ...]:
+        """What a batch's samples share: the bucket, and the number of sources where it is above one
+        (their tokens are concatenated, so every sample of a batch needs as many)."""
+        return self.bucket if self.sources <= 1 else (*self.bucket, self.sources)
 
     def entry(self, variant: int = 0, text: int = 0) -> dict[str, "torch.Tensor"]:
         """The tensors of one variant with one of its texts (-1: the empty caption)."""
