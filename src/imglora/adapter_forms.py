@@ -1,4 +1,5 @@
-"""One adapted module in peft's form and in the form ComfyUI loads: LoRA, DoRA, LoHa, LoKr.
+"""One adapted module in peft's form and in the form ComfyUI loads: LoRA, DoRA, LoHa, LoKr, OFT
+(``imglora.oft``: ``oft_R.weight`` -> ``oft_blocks``).
 
 Family-unaware: this works on one module at a time; naming the module (``lora_unet_…``,
 ``transformer.…``) is the exporter's job. Three functions:
@@ -64,9 +65,10 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from . import oft
 from .errors import ImgloraError
 
-KINDS = ("lora", "dora", "loha", "lokr")
+KINDS = ("lora", "dora", "loha", "lokr", "oft")
 
 # Every suffix peft's state dict can hold per module, by kind.
 PEFT_SUFFIXES = {
@@ -74,8 +76,9 @@ PEFT_SUFFIXES = {
     "dora": ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector"),
     "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
     "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"),
+    "oft": ("oft_R.weight",),  # imglora.oft: peft's rotation, applied to the layer's output
 }
-ADAPTER_PREFIXES = ("lora_", "hada_", "lokr_")
+ADAPTER_PREFIXES = ("lora_", "hada_", "lokr_", "oft_")
 
 # ComfyUI's weight_decompose adds the eps of the weight's dtype; its normal patching is in fp32.
 COMFY_EPS = torch.finfo(torch.float32).eps
@@ -129,7 +132,8 @@ def read_peft_module(state: dict[str, Tensor], module: str, kind: str, alpha: fl
     if not own:
         raise ImgloraError(f"{module}: no adapter tensors in the state dict (keys {head}lora_A.weight, "
                            f"{head}hada_w1_a, {head}lokr_w1, ...)")
-    named = [s for s in own if s.count(".") > (1 if s.startswith("lora_") and s != "lora_magnitude_vector" else 0)]
+    named = [s for s in own
+             if s.count(".") > (1 if s.startswith(("lora_", "oft_")) and s != "lora_magnitude_vector" else 0)]
     if named:
         raise ImgloraError(f"{module}: {head}{named[0]} still carries an adapter name; read a state dict from "
                            "peft's get_peft_model_state_dict, which removes it")
@@ -161,6 +165,18 @@ def _fail(m: Module, what: str) -> None:
 def _check(m: Module) -> None:
     """Completeness and shape consistency, including the given rank against the tensors."""
     t = m.tensors
+    if m.kind == "oft":
+        _need(m, "oft_R.weight")
+        vec = t["oft_R.weight"]
+        try:
+            b = oft.block_size(vec)
+        except ValueError as exc:
+            _fail(m, str(exc))
+        if b != m.rank:
+            _fail(m, f"block size {m.rank} given, the rotation's blocks are {b} wide")
+        if m.shape is not None and vec.shape[0] * b != m.shape[0]:
+            _fail(m, f"{vec.shape[0]} blocks of {b} rotate {vec.shape[0] * b} outputs, the base weight has {m.shape[0]}")
+        return
     if m.kind in ("lora", "dora"):
         _need(m, "lora_A.weight", "lora_B.weight", *(["lora_magnitude_vector"] if m.kind == "dora" else []))
         a, b = t["lora_A.weight"], t["lora_B.weight"]
@@ -311,6 +327,10 @@ def delta(m: Module, base_weight: Tensor | None = None) -> Tensor:
     (else ``m.shape``, else the adapter's own shape). DoRA: ``m / ‖W0 + sΔ‖_row · (W0 + sΔ) − W0``,
     as peft's ``merge``; needs ``base_weight``.
     """
+    if m.kind == "oft":  # a rotation of the weight's rows: it depends on the weight
+        if base_weight is None:
+            raise ImgloraError(f"{m.name}: an OFT delta depends on the base weight; pass base_weight")
+        return oft.delta(m.tensors["oft_R.weight"], base_weight)
     shape = _target_shape(m, base_weight)
     d = (_unscaled(m) * m.scaling).reshape(shape)
     if m.kind != "dora":
@@ -348,9 +368,13 @@ def comfy_tensors(m: Module, base_weight: Tensor | None = None) -> dict[str, Ten
     fp32 in the file: bf16 would round away what the compensation adds). DoRA needs ``base_weight`` (the weight ComfyUI patches, see the module docstring); the
     other types use it, when given, only to check the shapes.
     """
+    t = m.tensors
+    if m.kind == "oft":  # ComfyUI's OFTAdapter: oft_blocks, no alpha (it would be a norm constraint)
+        if base_weight is not None and t["oft_R.weight"].shape[0] * m.rank != base_weight.shape[0]:
+            _fail(m, f"the rotation's blocks do not cover the base weight's {base_weight.shape[0]} outputs")
+        return {"oft_blocks": oft.comfy_blocks(t["oft_R.weight"])}
     if base_weight is not None:
         _target_shape(m, base_weight)
-    t = m.tensors
     if m.kind in ("lora", "dora"):
         # ComfyUI: alpha / lora_down.shape[0] == alpha / r; peft: scaling (alpha / r, or alpha / sqrt(r)).
         out = {"lora_up.weight": _copy(t["lora_B.weight"]), "lora_down.weight": _copy(t["lora_A.weight"]),

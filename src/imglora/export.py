@@ -284,9 +284,12 @@ def module_settings(meta: dict[str, Any], module: str, cfg: "Config") -> tuple[s
     if meta.get("lora_bias"):
         raise ImgloraError("LoRA biases (peft lora_bias) have no ComfyUI form")
     peft_type = str(meta.get("peft_type", "LORA")).upper()
-    kind = {"LORA": "dora" if meta.get("use_dora") else "lora", "LOHA": "loha", "LOKR": "lokr"}.get(peft_type)
+    kind = {"LORA": "dora" if meta.get("use_dora") else "lora", "LOHA": "loha", "LOKR": "lokr",
+            "OFT": "oft"}.get(peft_type)
     if kind is None:
-        raise ImgloraError(f"peft adapter type {peft_type} cannot be exported (lora, dora, loha, lokr can)")
+        raise ImgloraError(f"peft adapter type {peft_type} cannot be exported (lora, dora, loha, lokr, oft can)")
+    if kind == "oft":  # a rotation per block of oft_block_size outputs: no alpha, no patterns
+        return kind, 0.0, int(meta["oft_block_size"]), False
     from peft.utils.other import get_pattern_key
 
     alpha = float(meta["lora_alpha"] if kind in ("lora", "dora") else meta["alpha"])

@@ -1,4 +1,4 @@
-"""Adapters through peft (LoRA, DoRA, LoHa, LoKr): injection, the adapter state dict, and strength.
+"""Adapters through peft (LoRA, DoRA, LoHa, LoKr, OFT): injection, the adapter state dict, and strength.
 
 peft rather than the LyCORIS package: peft is already how the trainer injects, saves, resumes and
 scales LoRA, and it has all four types behind the same calls (``add_adapter``, its state dict,
@@ -45,7 +45,8 @@ def is_adapter_parameter(name: str) -> bool:
 
 def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | None = None,
                 targets: str | list[str] | None = None) -> Any:
-    """The peft config of ``lora.type``: LoraConfig (``use_dora`` for DoRA), LoHaConfig or LoKrConfig.
+    """The peft config of ``lora.type``: LoraConfig (``use_dora`` for DoRA), LoHaConfig, LoKrConfig or
+    OFTConfig (blocks of ``lora.rank``, exact Cayley; turned to the output side by ``oft.convert``).
 
     With ``model``, the adapted Conv2d layers get ``lora.conv_rank`` / ``lora.conv_alpha`` through
     peft's ``rank_pattern`` / ``alpha_pattern`` (one exact, escaped module name each). ``targets``:
@@ -58,6 +59,11 @@ def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | N
     if s.type in ("lora", "dora"):
         config = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
                             init_lora_weights=True, use_dora=s.type == "dora")
+    elif s.type == "oft":
+        from peft import OFTConfig
+
+        config = OFTConfig(r=0, oft_block_size=s.rank, target_modules=targets, init_weights=True, coft=False,
+                           block_share=False, use_cayley_neumann=False)
     else:
         common = dict(r=s.rank, alpha=s.alpha, rank_dropout=s.rank_dropout, module_dropout=s.module_dropout,
                       use_effective_conv2d=s.effective_conv2d, target_modules=targets, init_weights=True)
@@ -108,13 +114,33 @@ def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: i
 
     model.requires_grad_(False)
     config = peft_config(family, settings, model, targets)
+    if settings.type == "oft":
+        _check_oft_blocks(model, config, settings.rank)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config)
     if not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
         raise ConfigError([f"lora.targets = {list(settings.targets) or list(family.lora_targets)} matched no "
                            f"module of the {family.name} model; check the names (see the family's defaults)"])
+    if settings.type == "oft":
+        from . import oft
+
+        oft.convert(model, config)
     return config
+
+
+def _check_oft_blocks(model: nn.Module, config: Any, block: int) -> None:
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from . import oft
+
+    adapted = [name for name, m in model.named_modules()
+               if check_target_module_exists(config, name) and getattr(m, "weight", None) is not None]
+    bad = oft.block_problems(model, adapted, block)
+    if bad:
+        raise ConfigError([f"lora.rank = {block}: OFT's block size must divide every adapted layer's output features, "
+                           f"and {len(bad)} do not: {', '.join(bad[:3])}; choose a divisor (e.g. 32 or 64 for "
+                           "widths that are multiples of them)"])
 
 
 def inject_text_encoders(encoders: dict[str, nn.Module], family: Any, settings: "LoraSettings",
@@ -220,9 +246,13 @@ def set_strength(model: nn.Module, strength: float) -> None:
     from peft.tuners.lycoris_utils import LycorisLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from .oft import OutputRotation
+
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):
             m.enable_adapters(strength != 0)
         if isinstance(m, (LoraLayer, LycorisLayer)) and strength != 0:
             for name in list(m.scaling):
                 m.set_scale(name, strength)
+        if isinstance(m, OutputRotation) and strength != 0:
+            m.oft_strength = strength  # as ComfyUI: W + s²(R − I)W

@@ -120,6 +120,9 @@ def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
         out |= {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args)}
     elif kind == "dora":
         out["ss_network_args"] = json.dumps({"dora_wd": "True"})
+    elif kind == "oft":  # LyCORIS' diagonal OFT (its dim: the block size), what ComfyUI's OFT loader reads
+        out |= {"ss_network_module": "lycoris.kohya",
+                "ss_network_args": json.dumps({"algo": "diag-oft", "block_size": str(lo.rank), "constraint": "0"})}
     if lo.loraplus_lr_ratio:  # as kohya records it (a training setting: the file's tensors are the same)
         args = json.loads(out.get("ss_network_args", "{}"))
         out["ss_network_args"] = json.dumps({**args, "loraplus_lr_ratio": f"{lo.loraplus_lr_ratio:g}"})

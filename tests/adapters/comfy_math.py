@@ -7,9 +7,9 @@ piece can be compared line by line:
   ``{x}.alpha`` (``.item()``) and ``{x}.dora_scale``, then ask every adapter class in
   ``comfy/weight_adapter/__init__.py::adapters`` to load (the loop ``continue``s, so all are
   asked and the last match wins), then the ``diff``-family keys; every file key nobody consumed
-  is logged as "lora key not loaded". GLoRA, OFT and BOFT are not reimplemented: their keys
+  is logged as "lora key not loaded". GLoRA and BOFT are not reimplemented: their keys
   count as not loaded here, which can only over-report.
-- ``LoRAAdapter``, ``LoHaAdapter``, ``LoKrAdapter``: ``comfy/weight_adapter/{lora,loha,lokr}.py``,
+- ``LoRAAdapter``, ``LoHaAdapter``, ``LoKrAdapter``, ``OFTAdapter``: ``comfy/weight_adapter/{lora,loha,lokr,oft}.py``,
   ``load`` and ``calculate_weight``.
 - ``weight_decompose``: ``comfy/weight_adapter/base.py::weight_decompose`` (DoRA), including its
   output-axis normalisation by the ORIGINAL weight's row norm.
@@ -237,7 +237,54 @@ class LoKrAdapter(Adapter):
                            dora_scale, intermediate_dtype, function)
 
 
-ADAPTERS = (LoRAAdapter, LoHaAdapter, LoKrAdapter)  # GLoRA, OFT, BOFT: not reimplemented
+class OFTAdapter(Adapter):
+    """``comfy/weight_adapter/oft.py::OFTAdapter`` (``load``, ``calculate_weight``): per block of the
+    weight's rows, ``R = (I + Q)(I − Q)⁻¹`` with ``Q = B − Bᵀ`` of ``oft_blocks`` B (norm-constrained to
+    alpha when alpha > 0), and ``W += s · (s·R − s·I)ᵀ-einsum W`` (strength applied twice)."""
+
+    name = "oft"
+
+    @classmethod
+    def load(cls, x, lora, alpha, dora_scale, loaded_keys) -> "OFTAdapter | None":
+        blocks = lora.get(f"{x}.oft_blocks")
+        if blocks is None or blocks.ndim != 3:
+            return None
+        loaded_keys.add(f"{x}.oft_blocks")
+        rescale = lora.get(f"{x}.rescale")
+        if rescale is not None:
+            loaded_keys.add(f"{x}.rescale")
+        return cls(loaded_keys, (blocks, rescale, alpha, dora_scale))
+
+    def calculate_weight(self, weight, key, strength, strength_model, offset, function,
+                         intermediate_dtype=torch.float32) -> Tensor:
+        blocks, rescale, alpha, dora_scale = self.weights
+        alpha = 0 if alpha is None else alpha
+        blocks = _dev(blocks, weight, intermediate_dtype)
+        block_num, block_size, *_ = blocks.shape
+        self.error = None
+        try:
+            eye = torch.eye(block_size, device=blocks.device, dtype=blocks.dtype)
+            q = blocks - blocks.transpose(1, 2)
+            normed_q = q
+            if alpha > 0:  # alpha in oft/boft is for constraint
+                q_norm = torch.norm(q) + 1e-8
+                if q_norm > alpha:
+                    normed_q = q * alpha / q_norm
+            r = (eye + normed_q) @ (eye - normed_q).float().inverse()
+            r = r.to(weight)
+            _, *shape = weight.shape
+            lora_diff = torch.einsum("k n m, k n ... -> k m ...", (r * strength) - strength * eye,
+                                     weight.view(block_num, block_size, *shape)).view(-1, *shape)
+            if dora_scale is not None:
+                return weight_decompose(dora_scale, weight, lora_diff, alpha, strength, intermediate_dtype, function)
+            weight += function((strength * lora_diff).type(weight.dtype))
+        except Exception as e:  # noqa: BLE001 -- as ComfyUI
+            self.error = f"ERROR {self.name} {key} {e}"
+            logging.error(self.error)
+        return weight
+
+
+ADAPTERS = (LoRAAdapter, LoHaAdapter, LoKrAdapter, OFTAdapter)  # GLoRA, BOFT: not reimplemented
 DIFF_SUFFIXES = ("w_norm", "b_norm", "diff", "diff_b", "set_weight")  # consumed by load_lora itself
 
 

@@ -1,4 +1,4 @@
-"""peft LoRA/DoRA/LoHa/LoKr -> ComfyUI form: every key loaded, and ComfyUI's weight == peft's merged weight.
+"""peft LoRA/DoRA/LoHa/LoKr/OFT -> ComfyUI form: every key loaded, and ComfyUI's weight == peft's merged weight.
 
 Each case injects one peft adapter (alpha != rank) into a one-layer module, randomizes every
 adapter tensor (peft zero-inits one factor, and DoRA's magnitude equals the base norm), exports
@@ -20,6 +20,7 @@ from torch import nn
 
 import comfy_math as comfy
 from imglora import adapter_forms as af
+from imglora import oft
 from imglora.errors import ImgloraError
 
 PREFIX = "lora_unet_block_0"  # any key in ComfyUI's key map; the module here is "block.0"
@@ -68,6 +69,12 @@ def lokr_cfg(r, alpha, **kw):
     return lambda: LoKrConfig(r=r, alpha=alpha, target_modules=[MODULE], **kw)
 
 
+def oft_cfg(block):
+    from peft import OFTConfig
+
+    return lambda: OFTConfig(r=0, oft_block_size=block, target_modules=[MODULE], use_cayley_neumann=False)
+
+
 LORA = frozenset({"lora_A.weight", "lora_B.weight"})
 DORA = LORA | {"lora_magnitude_vector"}
 LOHA = frozenset({"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"})
@@ -109,6 +116,9 @@ def _cases() -> list[Case]:
         # LoHa on a 3x3 conv without the CP form: flat (out, in*kh*kw) factors
         Case("loha-flat-conv3x3", "loha", "conv3x3", loha_cfg(4, 6.0, use_effective_conv2d=False), 4, 6.0, LOHA),
     ]
+    # OFT (imglora.oft: peft's rotation applied to the outputs), blocks of 4 and of 8 outputs
+    cases += [Case(f"oft-{b}-{layer}", "oft", layer, oft_cfg(b), b, 0.0, frozenset({"oft_R.weight"}))
+              for layer in LAYERS for b in (4, 8)]
     return cases
 
 
@@ -132,13 +142,16 @@ def train(case: Case, seed: int = 0) -> Trained:
     model = nn.Module()
     model.block = nn.Sequential(LAYERS[case.layer](), nn.Identity())
     w0 = model.block[0].weight.detach().clone()
-    model = inject_adapter_in_model(case.make_config(), model)
+    config = case.make_config()
+    model = inject_adapter_in_model(config, model)
+    if case.kind == "oft":  # the rotation moved to the output side, as lora.inject does
+        oft.convert(model, config)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_magnitude_vector" in name:  # DoRA magnitude: peft sets it to ‖W0‖; make it trained-looking
                 p.mul_(0.5 + torch.rand(p.shape, generator=gen))
-            elif any(s in name for s in (".lora_", ".hada_", ".lokr_")):
+            elif any(s in name for s in (".lora_", ".hada_", ".lokr_", ".oft_")):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     assert {k[len(MODULE) + 1:] for k in state} == case.keys, sorted(state)
@@ -181,7 +194,7 @@ def test_comfyui_loads_every_key(trained) -> None:
     assert comfy.keys_not_loaded(sd, PREFIX) == set()
     patches, _ = comfy.load_lora(sd, [PREFIX])
     want = {"lora": comfy.LoRAAdapter, "dora": comfy.LoRAAdapter, "loha": comfy.LoHaAdapter,
-            "lokr": comfy.LoKrAdapter}[trained.case.kind]
+            "lokr": comfy.LoKrAdapter, "oft": comfy.OFTAdapter}[trained.case.kind]
     assert type(patches[PREFIX]) is want
 
 
@@ -198,7 +211,9 @@ def test_comfyui_strength_scales_the_change(trained) -> None:
     # LoraLoader strength s: W0 + s·scale·Δ (LoRA, LoHa, LoKr); W0 + s·(W_dora − W0) (DoRA)
     sd = exported(trained)
     got = comfy.patched_weight(sd, PREFIX, trained.w0, strength=0.37)
-    want = trained.w0 + 0.37 * (trained.merged - trained.w0)
+    # OFT: ComfyUI scales the rotation's change by the strength twice, W0 + s²·(W_oft − W0)
+    s = 0.37 ** 2 if trained.case.kind == "oft" else 0.37
+    want = trained.w0 + s * (trained.merged - trained.w0)
     assert rel_err(got - trained.w0, want - trained.w0) < RTOL
 
 
@@ -207,7 +222,7 @@ def test_delta_is_pefts_merged_change(trained) -> None:
     d = af.delta(m, trained.w0)
     assert d.shape == trained.w0.shape
     assert rel_err(d, trained.merged - trained.w0) < RTOL
-    if trained.case.kind != "dora":  # without a base weight: the shape from `shape=` or the tensors
+    if trained.case.kind not in ("dora", "oft"):  # without a base weight: the shape from `shape=` or the tensors
         shaped = af.read_peft_module(trained.state, MODULE, m.kind, m.alpha, m.rank, use_rslora=m.use_rslora,
                                      shape=trained.w0.shape)
         assert torch.equal(af.delta(shaped), d)
@@ -369,4 +384,20 @@ def test_diffusers_sdxl_loader_takes_lora_drops_dora_scale_refuses_loha_lokr() -
 def test_case_list_covers_every_type_and_layer() -> None:
     assert {(c.kind, c.layer) for c in CASES} >= {(k, l) for k in af.KINDS for l in LAYERS}
     assert all(c.alpha != c.r for c in CASES)
+
+
+def test_oft_is_orthogonal_writes_no_alpha_and_needs_the_base_weight() -> None:
+    t = train(next(c for c in CASES if c.id == "oft-8-linear"))
+    m = read(t)
+    sd = af.comfy_tensors(m, t.w0)
+    assert set(sd) == {"oft_blocks"} and sd["oft_blocks"].shape == (10, 8, 8)  # 80 outputs in blocks of 8
+    # Each block of 8 rows is rotated (W_b -> Rᵀ W_b, R orthogonal): the block's W_bᵀ W_b is kept, to
+    # fp32 rounding of the Cayley solve and the product.
+    w0, w1 = t.w0.unflatten(0, (10, 8)), t.merged.unflatten(0, (10, 8))
+    torch.testing.assert_close(w1.transpose(1, 2) @ w1, w0.transpose(1, 2) @ w0, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(w1, w0, atol=1e-3)
+    with pytest.raises(ImgloraError, match="an OFT delta depends on the base weight"):
+        af.delta(m)
+    with pytest.raises(ImgloraError, match="block size 4 given, the rotation's blocks are 8 wide"):
+        af.read_peft_module(t.state, MODULE, "oft", 0.0, 4)
     assert math.isclose(af.Module("m", "lora", {}, 6.0, 4, use_rslora=True).scaling, 3.0)

@@ -31,7 +31,7 @@ from imglora.families.diffusers_image import ADAPTER_FILE
 from imglora.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ("lora", "dora", "loha", "lokr")
+KINDS = ("lora", "dora", "loha", "lokr", "oft")
 RTOL = 1e-5
 # Options that reach every form: alpha != rank; SDXL's tiny preset adapts 3x3 convs too, here with their
 # own rank (peft rank/alpha patterns) and, for LoHa/LoKr, the CP (Tucker) form (LoKr's is exported flat).
@@ -39,7 +39,9 @@ OPTIONS = {
     "sdxl": ["lora.rank=4", "lora.alpha=6", "lora.conv_rank=2", "lora.conv_alpha=3"],
     "flux": ["lora.rank=4", "lora.alpha=6"],
 }
-TYPE_OPTIONS = {"loha": ["lora.effective_conv2d=true"], "lokr": ["lora.effective_conv2d=true", "lora.factor=4"]}
+TYPE_OPTIONS = {"loha": ["lora.effective_conv2d=true"], "lokr": ["lora.effective_conv2d=true", "lora.factor=4"],
+                # OFT: blocks of 4 outputs, no alpha, no conv rank (one rotation per block, conv layers included)
+                "oft": ["lora.rank=4", "lora.alpha=0", "lora.conv_rank=0", "lora.conv_alpha=0"]}
 # Resume is checked for two combinations in the default run and for all with --slow.
 FAST_RESUME = {("sdxl", "loha"), ("flux", "dora")}
 
@@ -162,7 +164,7 @@ def test_exported_type_loads_in_comfyui_as_the_trained_merged_weight(runs, famil
     base, merged = merged_weights(t)
     assert {comfy_key(family, n) for n in merged} == set(patches)
     want_cls = {"lora": comfy.LoRAAdapter, "dora": comfy.LoRAAdapter, "loha": comfy.LoHaAdapter,
-                "lokr": comfy.LoKrAdapter}[kind]
+                "lokr": comfy.LoKrAdapter, "oft": comfy.OFTAdapter}[kind]
     changed = 0
     for name, want in merged.items():
         adapter = patches[comfy_key(family, name)]
@@ -181,6 +183,8 @@ def test_exported_type_loads_in_comfyui_as_the_trained_merged_weight(runs, famil
             export_run(t.run, out=tmp_path / "k.safetensors", fmt="kohya")
     if kind in ("loha", "lokr"):
         assert meta["ss_network_module"] == "lycoris.kohya" and json.loads(meta["ss_network_args"])["algo"] == kind
+    if kind == "oft":  # no alpha (ComfyUI would read it as a norm constraint); LyCORIS' name for the algorithm
+        assert not any(k.endswith(".alpha") for k in sd) and json.loads(meta["ss_network_args"])["algo"] == "diag-oft"
 
 
 def swap_halves(t: torch.Tensor) -> torch.Tensor:

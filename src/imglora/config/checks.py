@@ -139,6 +139,15 @@ def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
                             f"and lora.type = {kind!r}{hint.get(key, '')}")
     if lo.factor == 0:
         problems.append(f"{where('lora.factor')}: must be -1 (automatic) or a positive divisor, got 0")
+    if kind == "oft":  # one rotation per block of outputs: no alpha, no per-block or conv ranks, no text encoders
+        unsupported = [k for k, on in (("alpha", lo.alpha and lo.alpha != lo.rank), ("block_ranks", lo.block_ranks),
+                                       ("block_alphas", lo.block_alphas), ("conv_rank", lo.conv_rank),
+                                       ("conv_alpha", lo.conv_alpha), ("text_encoder", lo.text_encoder)) if on]
+        for key in unsupported:
+            problems.append(f"{where(f'lora.{key}')}: has no meaning for lora.type = \"oft\" (an orthogonal rotation per "
+                            "block of lora.rank outputs, unscaled); remove it")
+        if lo.rank < 2:
+            problems.append(f"{where('lora.rank')}: OFT's block size must be at least 2, got {lo.rank}")
 
 
 

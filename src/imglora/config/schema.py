@@ -188,7 +188,7 @@ class CacheConfig:
         resume_safe=True)
 
 
-AdapterType = Literal["lora", "dora", "loha", "lokr"]
+AdapterType = Literal["lora", "dora", "loha", "lokr", "oft"]
 
 
 @dataclass(frozen=True)
@@ -196,9 +196,11 @@ class LoraConfig:
     type: AdapterType = setting(
         "lora", help="Adapter type, all through peft: lora; dora (LoRA plus a trained magnitude per output row, "
                      "weight-decomposed); loha (LyCORIS LoHa: Hadamard product of two low-rank pairs); lokr "
-                     "(LyCORIS LoKr: Kronecker product of two factors). README: where each one loads.")
+                     "(LyCORIS LoKr: Kronecker product of two factors); oft (orthogonal finetuning: each block of "
+                     "lora.rank output features rotated, as ComfyUI's and LyCORIS' OFT). README: where each one loads.")
     rank: int = setting(16, help="Adapter rank (dimension): LoRA/DoRA rank, LoHa's rank of each pair, LoKr's rank "
-                                 "of its low-rank factor(s).", min=1, max=1024)
+                                 "of its low-rank factor(s); OFT's block size (as LyCORIS reads dim for OFT), which "
+                                 "must divide every adapted layer's output features.", min=1, max=1024)
     alpha: float = setting(0.0, help="Adapter alpha; the update is scaled by alpha / rank. 0 = equal to rank.",
                            min=0.0, max=65536.0)
     dropout: float = setting(0.0, help="LoRA/DoRA: dropout on the adapter's input.", min=0.0, max=0.99)

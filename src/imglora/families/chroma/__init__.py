@@ -42,7 +42,7 @@ class ChromaFamily:
     lora_blocks = FluxFamily.lora_blocks
     quantize_exclude = ("x_embedder", "context_embedder", "distilled_guidance_layer*", "proj_out")
     quantizations: tuple[str, ...] = ()
-    adapter_types = ("lora", "dora", "loha", "lokr")
+    adapter_types = ("lora", "dora", "loha", "lokr", "oft")
     swappable_blocks = swap.BLOCK_LISTS
     compile_blocks = ("ChromaTransformerBlock", "ChromaSingleTransformerBlock")
     streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term

@@ -26,7 +26,7 @@ FORMATS = ("default", "kohya")  # default: the diffusers form
 # The adapter types each form can hold: kohya fuses q, k and v (and the single blocks' MLP input) into
 # one low-rank pair per BFL weight, which only plain LoRA factors into; the default form keeps every
 # module, so every type. The config refuses another pairing before training (FluxFamily.check_config).
-FORM_TYPES = {"default": ("lora", "dora", "loha", "lokr"), "kohya": ("lora",)}
+FORM_TYPES = {"default": ("lora", "dora", "loha", "lokr", "oft"), "kohya": ("lora",)}
 KOHYA_FUSES = ("kohya fuses q, k and v (and the single blocks' MLP input) into one LoRA per FLUX.1 weight, which "
                "only plain LoRA can be")
 TEXT_PREFIX = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te3"}

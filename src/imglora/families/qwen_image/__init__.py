@@ -49,7 +49,7 @@ class QwenImageFamily:
     # per block), and musubi-tuner and ai-toolkit quantize them too.
     quantize_exclude = ("img_in", "txt_in", "txt_norm", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
-    adapter_types = ("lora", "dora", "loha", "lokr")
+    adapter_types = ("lora", "dora", "loha", "lokr", "oft")
     swappable_blocks = ("transformer_blocks",)
     compile_blocks = ("QwenImageTransformerBlock",)  # memory.compile = "blocks"
     streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term
