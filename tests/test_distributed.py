@@ -212,6 +212,7 @@ def test_a_process_without_samples_carries_no_share_and_the_shares_sum_to_one() 
         def __init__(self, i: int, bucket=(64, 64)) -> None:
             self.bucket, self.repeats, self.regularization, self.caption_dropout = bucket, 1, False, 0.0
             self.variants, self.texts, self.i = [0], [0], i
+            self.batch_key, self.preserve = bucket, {}  # (Sample's: one source at most, no preservation captions)
 
         def entry(self, v: int, t: int) -> dict[str, torch.Tensor]:
             return {"x": torch.tensor([float(self.i)])}

@@ -143,7 +143,9 @@ class Profile:
 def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype,
             autocast: torch.dtype | None, resolution: int, count_ops: bool = True) -> Profile:
     """The meta run; ``count_ops`` also records its kernels (for the time prediction)."""
-    trainable = family.meta_trainable(src, cfg, dtype)
+    from . import preservation
+
+    trainable = preservation.wrap(family.meta_trainable(src, cfg, dtype), cfg)  # its extra forwards counted too
     model = trainable.model
     lora.inject(model, family, cfg.lora, cfg.train.seed)
     encoders = getattr(trainable, "text_encoders", None) or {}  # lora.text_encoder: trained beside the model
@@ -160,7 +162,7 @@ def profile(family: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.
 
             norms.install(model)
     model.train()
-    batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("meta"))
+    batch = preservation.synthetic(family.synthetic_batch(trainable, resolution, cfg, torch.device("meta")), cfg)
     batch_bytes = held_bytes(list(batch.values()))
     from .family import Swappable, supports
     from .memory.op_count import OpCounter

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan_budget, record, resume,
-               rng, runlock, runlog, telemetry, trackers)
+from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, optimizers, plan_budget, preservation, record,
+               resume, rng, runlock, runlog, telemetry, trackers)
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
@@ -100,7 +100,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         out(f"data: {data.summary}")
         with rec.phase("load_model"):
             with stages("loading"):
-                trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
+                trainable = preservation.wrap(family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device)), cfg)
             # One deterministic order of global batches; each process takes its share of every one.
             batcher = Batcher(data.samples, cfg.train.batch_size * procs, cfg.train.seed, collate=family.collate,
                               reg_ratio=cfg.data.reg_ratio)

@@ -39,6 +39,7 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")
     _adapter_checks(cfg, where, problems)
+    _preservation_checks(cfg, where, problems)
     from .. import optimizers
 
     optimizers.check(cfg, where, problems)
@@ -54,6 +55,25 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     data_checks(d, where, problems)
     holdout_checks(cfg, where, problems)
     _name_checks(cfg, where, problems)
+
+
+def _preservation_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    """train.dop_weight needs a class word and a trigger word to replace; neither kind of preservation
+    works with text encoders trained in the step (their outputs for the other caption are not cached)."""
+    t = cfg.train
+    if t.dop_weight:
+        if not t.dop_class.strip():
+            problems.append(f"{where('train.dop_class')}: train.dop_weight = {t.dop_weight:g} needs the class word "
+                            "that replaces the trigger word (e.g. \"person\")")
+        if not any(s.trigger_word for s in cfg.data.all_sets if not s.regularization):
+            problems.append(f"{where('train.dop_weight')}: differential output preservation replaces the trigger word "
+                            "by train.dop_class, and no data set has a trigger_word; set data.trigger_word")
+    elif t.dop_class:
+        problems.append(f"{where('train.dop_class')}: is read only with train.dop_weight > 0; set both, or neither")
+    if (t.dop_weight or t.blank_preservation_weight) and cfg.lora.text_encoder:
+        key = "train.dop_weight" if t.dop_weight else "train.blank_preservation_weight"
+        problems.append(f"{where(key)}: output preservation denoises other captions with cached text-encoder "
+                        "outputs, and lora.text_encoder trains the text encoders; turn one of them off")
 
 
 def _budget_checks(cfg: Config, where: Where, problems: list[str]) -> None:

@@ -303,6 +303,18 @@ class TrainConfig:
                              min_exclusive=True)
     huber_scale: float = setting(1.0, help="huber / smooth_l1: scale of c in the exponential and constant "
                                            "schedules (kohya's huber_scale).", min=0.0, max=100.0, min_exclusive=True)
+    dop_weight: float = setting(
+        0.0, help="Differential output preservation (ai-toolkit's diff_output_preservation, kohya's and OneTrainer's "
+                  "prior preservation with the base model's own output): for each image, the caption with the "
+                  "trigger word replaced by train.dop_class is also denoised, and the adapter's prediction for it "
+                  "is pulled towards the base model's (adapter off) with this weight; 0 = off. About 2.25x the "
+                  "compute of an update.", min=0.0, max=100.0)
+    dop_class: str = setting("", help="train.dop_weight: the class word that replaces the trigger word (\"person\", "
+                                      "\"dog\", \"painting style\"): what the model should still draw as before.")
+    blank_preservation_weight: float = setting(
+        0.0, help="Blank-prompt preservation (ai-toolkit's blank_prompt_preservation): the adapter's prediction for "
+                  "the empty caption pulled towards the base model's with this weight, so the adapter stays off "
+                  "when nothing asks for it; 0 = off.", min=0.0, max=100.0)
     seed: int = setting(42, help="Seed for data order, noise and LoRA init.", min=0, max=2**32 - 1)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = setting(
         "auto", help="auto = bf16 on CUDA, none on CPU.")

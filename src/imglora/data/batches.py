@@ -127,14 +127,26 @@ class Batcher:
 
     def batch(self, micro_index: int, device: torch.device) -> dict[str, torch.Tensor]:
         ref = self.ref(micro_index)
-        rows = range(len(ref.indices))
-        return self._to(self._sampled(self.collate(self._entries(ref, rows)), micro_index, rows), device)
+        return self._to(self._collated(ref, range(len(ref.indices)), micro_index), device)
+
+    def _collated(self, ref: BatchRef, rows: range, micro_index: int) -> dict[str, torch.Tensor]:
+        """The rows' batch; with output preservation, the same rows with each preservation caption
+        too, collated on their own (a family may pad captions) under ``<name>.`` keys."""
+        entries = self._entries(ref, rows)
+        batch = self._sampled(self.collate(entries), micro_index, rows)
+        samples = [self.samples[ref.indices[j]] for j in rows]
+        for name in samples[0].preserve if samples else ():
+            if all(name in s.preserve for s in samples):
+                other = self._sampled(self.collate([{**e, **s.preserve[name]} for e, s in zip(entries, samples)]),
+                                      micro_index, rows)
+                batch |= {f"{name}.{k}": v for k, v in other.items()}
+        return batch
 
     def _sampled(self, batch: dict[str, torch.Tensor], micro_index: int, rows: range) -> dict[str, torch.Tensor]:
         """cache.latents = "sample": each row's latents drawn from the VAE posterior, ``mean + std *
         noise``, with noise of a generator seeded by (run seed, micro-batch, row): a fresh draw every
         time an image is used, the same draw for that micro-batch in a resumed run or on any number
-        of processes."""
+        of processes (and for its preservation captions' batch)."""
         std = batch.pop("latents_std", None)
         if std is None:
             return batch
@@ -158,7 +170,7 @@ class Batcher:
         mine = self._entries(ref, rows)
         count = units or len
         scale = count(mine) / count(self._entries(ref, range(len(ref.indices))))
-        return Part(self._to(self._sampled(self.collate(mine), micro_index, rows), device), rows, scale)
+        return Part(self._to(self._collated(ref, rows, micro_index), device), rows, scale)
 
     def _entries(self, ref: BatchRef, rows: range) -> list[dict[str, torch.Tensor]]:
         return [self.samples[ref.indices[j]].entry(ref.variants[j], ref.texts[j]) for j in rows]

@@ -38,15 +38,13 @@ from ..errors import ImgloraError
 from ..family import text_length, text_options
 from ..hashing import sha256_file
 from ..progress import Progress
-from .buckets import fit_to_bucket
 from .dataset import DatasetItem, ScanResult
-from .captions import EMPTY, TextChoice, choice_for
-from .images import image_alpha, open_image, open_mask
-from .masks import latent_mask
+from .captions import EMPTY, TextChoice, choice_for, preservation_captions
 from .samples import PreparedData, Sample
 from .scan import data_version, scan, scan_result, set_records, split_holdout
 from .store import Cache, CorruptEntry
 from .cache_warnings import mask_warning, overflow_warning
+from .encode import encode_latent, source_views
 
 if TYPE_CHECKING:
     from ..source import ModelSource
@@ -94,10 +92,17 @@ class CachePlan:
     choices: dict[DatasetItem, TextChoice] = field(default_factory=dict)  # what each image's caption trains as
     text_options: dict[str, Any] = field(default_factory=dict)  # family.text_options: keyed, passed to encode_text
     per_image_text: bool = False  # text_reads_sources: texts are keyed by (text, item), not by text
+    # Output preservation (imglora.preservation): each training image's other captions by name, "dop"
+    # (the trigger word replaced by train.dop_class) and "blank" (the empty caption).
+    preserve: dict[DatasetItem, dict[str, str]] = field(default_factory=dict)
 
     def text_ref(self, item: DatasetItem, text: str) -> Any:
         """The key of ``item``'s ``text`` in ``texts``."""
         return (text, item) if self.per_image_text else text
+
+    def item_texts(self, item: DatasetItem) -> list[str]:
+        """Every text ``item`` needs an entry of: its caption's variants, then its preservation captions."""
+        return list(dict.fromkeys([*self.choices[item].texts(), *self.preserve.get(item, {}).values()]))
 
 
 @dataclass
@@ -136,12 +141,13 @@ def subplan(the_plan: "CachePlan", items: tuple[DatasetItem, ...]) -> "CachePlan
     """The part of a plan that covers some of its images (their latents and captions)."""
     keep = set(items)
     choices = {i: c for i, c in the_plan.choices.items() if i in keep}
-    refs = {the_plan.text_ref(i, t) for i, c in choices.items() for t in c.texts()}
+    refs = {the_plan.text_ref(i, t) for i in choices for t in the_plan.item_texts(i)}
     return CachePlan(scan_result(tuple(i for i in the_plan.scan.items if i in keep), the_plan.scan.warnings),
                      [s for s in the_plan.latents if s.item in keep],
                      {c: s for c, s in the_plan.texts.items() if c in refs},
                      the_plan.encoder_dtype, the_plan.text_max_length, dict(the_plan.identities), choices,
-                     dict(the_plan.text_options), the_plan.per_image_text)
+                     dict(the_plan.text_options), the_plan.per_image_text,
+                     {i: p for i, p in the_plan.preserve.items() if i in keep})
 
 
 def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -178,10 +184,11 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
             latents.append(LatentSpec(item, sha, flip, crop_seed, key, s.crop, s.alpha_mask, sampled))
     held = set(split_holdout(cfg, scanned)[1].items)
     choices = {item: choice_for(item, sets[item.set_index], held_out=item in held) for item in scanned.items}
+    preserve = preservation_captions(cfg, [i for i in scanned.items if i not in held])
     texts: dict[Any, TextSpec] = {}
     per_image = bool(getattr(family, "text_reads_sources", False))
     for item, choice in (choices.items() if text_tokens.caches_text(cfg, family) else ()):
-        for text in choice.texts():
+        for text in dict.fromkeys([*choice.texts(), *preserve.get(item, {}).values()]):
             ref = (text, item) if per_image else text
             if ref in texts:
                 continue
@@ -191,7 +198,7 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
             texts[ref] = (TextSpec(text, key, item, view["crop"], view["crop_seed"]) if per_image
                           else TextSpec(text, key))
     return CachePlan(scanned, latents, texts, enc_dtype, max_len, {"vae": vae_id, "text_encoders": text_id},
-                     choices, options, per_image)
+                     choices, options, per_image, preserve)
 
 
 def fill_cache(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str",
@@ -268,45 +275,6 @@ def _finite(tensors: dict[str, "torch.Tensor"], what: str, dtype: str) -> dict[s
         raise DataError([f"{what}: encoding gave NaN or infinite values ({', '.join(bad)}) with cache.encoder_dtype "
                          f"{dtype!r}; some VAEs overflow in fp16 — use \"bf16\" or \"fp32\""])
     return tensors
-
-
-def encode_latent(family: "Family", vae: Any, spec: LatentSpec) -> dict[str, "torch.Tensor"]:
-    import numpy as np
-    import torch
-
-    path = spec.item.path
-    mask = open_mask(spec.item.mask) if spec.item.mask else image_alpha(path) if spec.alpha_mask else None
-    fit = fit_to_bucket(open_image(path), spec.item.bucket, crop=spec.crop, seed=spec.crop_seed, mask=mask)
-    if spec.flip:
-        fit = fit.flipped()
-    pixels = torch.from_numpy(np.asarray(fit.image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
-    out = family.encode_image(vae, pixels, std=True) if spec.posterior_std else family.encode_image(vae, pixels)
-    if fit.mask is not None:  # weights per latent pixel, stored with the latents they weight
-        out["loss_mask"] = latent_mask(fit.mask, tuple(out["latents"].shape[-2:]))
-    if spec.item.controls:  # edit pairs: each source fitted to the target's bucket (same crop and flip)
-        out["control_latents"] = torch.stack([_control(family, vae, spec, c) for c in spec.item.controls])
-    # SDXL micro-conditioning, (h, w) / (top, left) as in the SDXL paper; harmless for other families.
-    out["time_ids"] = torch.tensor([*fit.original_size, *fit.crop_top_left, *fit.target_size], dtype=torch.float32)
-    return out
-
-
-def source_views(spec: TextSpec) -> list[Any]:
-    """The source images of a text entry's image, fitted to its bucket as its latents' sources are
-    (same crop; unflipped: flipped pairs are refused where the text encoder reads the sources)."""
-    assert spec.item is not None
-    return [fit_to_bucket(open_image(c), spec.item.bucket, crop=spec.crop, seed=spec.crop_seed).image
-            for c in spec.item.controls]
-
-
-def _control(family: "Family", vae: Any, spec: LatentSpec, path: Path) -> "torch.Tensor":
-    import numpy as np
-    import torch
-
-    fit = fit_to_bucket(open_image(path), spec.item.bucket, crop=spec.crop, seed=spec.crop_seed)
-    if spec.flip:
-        fit = fit.flipped()
-    pixels = torch.from_numpy(np.asarray(fit.image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
-    return family.encode_image(vae, pixels)["latents"]
 
 
 def _data_dirs(cfg: "Config") -> str:
@@ -406,7 +374,7 @@ def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "t
     cache = Cache(cfg.cache.dir)
     for attempt in (1, 2):
         try:
-            captions = list(dict.fromkeys(t for c in the_plan.choices.values() for t in c.texts()))
+            captions = list(dict.fromkeys(t for i in the_plan.choices for t in the_plan.item_texts(i)))
             texts = text_tokens.entries(cfg, family, src, captions,
                                         {c: cache.get("text", s.key) for c, s in the_plan.texts.items()},
                                         the_plan.text_max_length)
@@ -432,13 +400,17 @@ def load_samples(cfg: "Config", family: "Family", src: "ModelSource", device: "t
                 stats.texts_encoded += refill.texts_encoded
                 stats.texts_reused -= refill.texts_encoded
     return [_sample(cfg, item, entries, the_plan.choices[item],
-                    {t: texts[the_plan.text_ref(item, t)] for t in the_plan.choices[item].texts()})
+                    {t: texts[the_plan.text_ref(item, t)] for t in the_plan.item_texts(item)},
+                    the_plan.preserve.get(item, {}))
             for item, entries in by_item.items()]
 
 
 def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Tensor"]], choice: TextChoice,
-            texts: dict[str, dict[str, "torch.Tensor"]]) -> Sample:
+            texts: dict[str, dict[str, "torch.Tensor"]], preserve: dict[str, str]) -> Sample:
+    """``texts``: the image's text entries by text; ``preserve``: its preservation captions by name."""
     import torch
+
+    kept = {name: texts[caption] for name, caption in preserve.items()}
 
     reg = cfg.data.all_sets[item.set_index].regularization
     if reg and cfg.data.prior_loss_weight != 1.0:  # only then: batches without it stay as they were
@@ -446,10 +418,10 @@ def _sample(cfg: "Config", item: DatasetItem, entries: list[dict[str, "torch.Ten
         entries = [{**e, "loss_weight": weight} for e in entries]
     if len(choice.variants) == 1 and not choice.dropout:  # one text: each variant holds it, as always
         return Sample(item.bucket, item.repeats, tuple({**e, **texts[choice.variants[0]]} for e in entries),
-                      regularization=reg, sources=len(item.controls))
+                      regularization=reg, sources=len(item.controls), preserve=kept)
     return Sample(item.bucket, item.repeats, tuple(entries), texts=tuple(texts[t] for t in choice.variants),
                   caption_dropout=choice.dropout, empty_text=texts[EMPTY] if choice.dropout else None,
-                  regularization=reg, sources=len(item.controls))
+                  regularization=reg, sources=len(item.controls), preserve=kept)
 
 
 def prepare_images(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.device | str") -> PreparedData:

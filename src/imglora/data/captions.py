@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from ..config import DataSetConfig
+    from ..config import Config, DataSetConfig
     from .dataset import DatasetItem
 
 EMPTY = ""  # the caption of caption dropout
@@ -86,3 +86,25 @@ def keep_tokens_warning(items: Iterable["DatasetItem"], s: "DataSetConfig") -> s
     return (f"{len(short)} caption(s) have no more comma-separated tags than keep_tokens = {s.keep_tokens}, so "
             f"shuffle_tags and tag_dropout leave them unchanged: {shown}; lower keep_tokens or separate the tags "
             "with commas")
+
+
+def preservation_captions(cfg: "Config", items: list[DatasetItem]) -> dict[DatasetItem, dict[str, str]]:
+    """Each training image's output-preservation captions: "dop", its caption with its set's trigger
+    word replaced by train.dop_class (train.dop_weight), "blank", the empty caption
+    (train.blank_preservation_weight). Empty when neither is on."""
+    import re
+
+    t, sets = cfg.train, cfg.data.all_sets
+    out: dict[DatasetItem, dict[str, str]] = {}
+    for item in items:
+        own: dict[str, str] = {}
+        trigger = sets[item.set_index].trigger_word
+        if t.dop_weight:
+            own["dop"] = (re.sub(rf"(?<!\w){re.escape(trigger)}(?!\w)", t.dop_class.strip(), item.caption)
+                          if trigger else item.caption)
+        if t.blank_preservation_weight:
+            own["blank"] = EMPTY
+        if own:
+            out[item] = own
+    return out
+

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .. import lora_blocks
-from ..family import EditPairs, Family, Swappable, TextEncoderTraining, supports
+from ..family import CacheEncoder, EditPairs, Family, Swappable, TextEncoderTraining, supports
 from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .flux_kontext import FluxKontextFamily
@@ -74,6 +74,10 @@ class Registry:
             elif not s.control_dir and supports(family, EditPairs):
                 problems.append(f"{where(key)}: missing required key for the {name} family (an edit model): the "
                                 "folder of source images, one per training image with its file name")
+        for key in ("dop_weight", "blank_preservation_weight"):
+            if getattr(cfg.train, key) and not supports(family, CacheEncoder):
+                problems.append(f"{where(f'train.{key}')}: output preservation is for the image families "
+                                f"({', '.join(self.supporting(CacheEncoder))}); set it to 0 for {name}")
         if cfg.eval.control_images and not supports(family, EditPairs):
             problems.append(f"{where('eval.control_images')}: source images are for the edit-model families "
                             f"({', '.join(self.supporting(EditPairs))}); remove it for {name}")
