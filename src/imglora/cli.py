@@ -315,6 +315,21 @@ def estimate_cmd(run_dir, bench_file, setting, steps, epochs, dataset_size, batc
              idle_minutes, rate, currency, storage, transfer, offers, gpus=gpus)
 
 
+@main.command("doctor", short_help="Check this machine for a preset: GPU, memory, disk, pinned memory, PCIe, model.")
+@click.argument("preset", required=False)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (repeatable).")
+def doctor_cmd(preset: str | None, overrides: tuple[str, ...]) -> None:
+    """Before the first update on a new machine: the GPU(s), driver and CUDA versions, torch's CUDA
+    build, free GPU memory and host RAM against the plan for PRESET's own setting, free disk where the
+    run and the cache write, the page-locked memory limit and a test registration, the PCIe link and a
+    one-second host-to-GPU copy probe, whether the model is on disk, and what to change. Exit status 1
+    when PRESET cannot run here as it is. Without a CUDA GPU it says so and checks the rest."""
+    from .commands.doctor import run
+
+    if not run(preset, overrides).ok:
+        raise SystemExit(1)
+
+
 def _register_split_commands() -> None:
     from .cli_eval import eval_cmd
     from .cli_merge import merge_cmd

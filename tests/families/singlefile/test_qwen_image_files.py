@@ -149,6 +149,7 @@ def test_training_from_comfyuis_files_is_training_from_the_folder(tiny: Path, tm
     assert folder[1].keys() == files[1].keys() and all(torch.equal(folder[1][k], files[1][k]) for k in folder[1])
 
 
+@pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_an_edit_model_trains_from_comfyuis_files_as_from_its_folder(tmp_path: Path, monkeypatch) -> None:
     """qwen_image_edit_2509_*.safetensors with Qwen-Image's text encoder and VAE files: the shipped
     Edit Plus configs (its model_index.json and image processor) with ComfyUI's Qwen2.5 tokenizer; the

@@ -259,6 +259,7 @@ def kontext_preset(tmp_path: Path, *extra: str):
                   *extra)
 
 
+@pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_flux_kontext_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_path: Path, monkeypatch) -> None:
     """flux1-kontext-dev.safetensors (BFL's layout, like FLUX.1-dev's) with clip_l, t5xxl and ae found
     by bare name in a ComfyUI folder; without model.config the shipped Kontext configs are used."""
@@ -338,6 +339,7 @@ def test_chroma_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_path: 
     assert_same_run(from_files, folder)
 
 
+@pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_chromas_key_plan_is_diffusers_converter_read_backwards() -> None:
     """diffusers' convert_chroma_transformer_checkpoint_to_diffusers hard-codes Chroma's width (3072),
     so the check runs at the real width with one block of each kind and int8 values (the conversion
