@@ -5,8 +5,6 @@ counts the extra passes."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,14 +24,8 @@ DOP = ["train.dop_weight=0.7", 'train.dop_class="ball"', "train.blank_preservati
 
 
 @pytest.fixture()
-def prepared(tmp_path: Path, sample_dataset: Path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for stem in ("01_sky", "03_table"):
-        for f in sample_dataset.glob(f"{stem}.*"):
-            shutil.copy(f, data / f.name)
-    q = lambda p: json.dumps(str(p))  # noqa: E731
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(tmp_path / 'cache')}", *DOP])
+def prepared(small_run):
+    cfg = load_config(PRESET, [*small_run(("01_sky", "03_table")), *DOP])
     family = family_of(cfg)
     src = resolve_model(cfg.model, family)
     the_plan, _ = cache.fill_cache(cfg, family, src, "cpu", progress=False)

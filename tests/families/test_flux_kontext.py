@@ -24,6 +24,7 @@ from imglora.errors import ImgloraError
 from imglora.families import registry
 from imglora.families.flux import model as flux_model
 from imglora.models import resolve_model
+from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-flux-kontext.toml"
@@ -194,17 +195,7 @@ def kontext_run(tmp_path_factory):
 
 def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(kontext_run, tmp_path: Path) -> None:
     cfg, result = kontext_run
-    resumed = cfg.replace(run={"output_dir": str(tmp_path), "name": "resumed"})
-    shutil.copytree(cfg.run_dir, resumed.run_dir)
-    shutil.rmtree(resumed.run_dir / "adapter")
-    shutil.rmtree(resumed.run_dir / "checkpoints" / "step-000004")
-    lines = resumed.run_dir / "log.jsonl"
-    lines.write_text("".join(x + "\n" for x in lines.read_text().splitlines()[:2]))
-    again = train(resumed, resume=True, out=lambda s: None)
-    a, b = load_file(str(result.adapter)), load_file(str(again.adapter))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    losses = lambda run: [json.loads(x)["loss"] for x in (run / "log.jsonl").read_text().splitlines()]  # noqa: E731
-    assert losses(resumed.run_dir) == losses(cfg.run_dir)
+    assert_resumes_exactly(cfg, result, tmp_path)
 
 
 def test_eval_samples_from_each_prompts_source_and_strength_0_is_the_base_pipeline(kontext_run) -> None:

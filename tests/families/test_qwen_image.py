@@ -22,6 +22,7 @@ from imglora.families.flux import model as flux_model
 from imglora.families.qwen_image import model as qwen_model
 from imglora.models import resolve_model
 from imglora.owned import own_module
+from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-qwen-image.toml"
@@ -234,22 +235,8 @@ def qwen_run(tmp_path_factory, sample_dataset):
 
 @pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
 def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(qwen_run, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
-    from imglora.commands.train import train
-
     cfg, result = qwen_run
-    resumed = cfg.replace(run={"output_dir": str(tmp_path), "name": "resumed"})
-    shutil.copytree(cfg.run_dir, resumed.run_dir)
-    shutil.rmtree(resumed.run_dir / "adapter")
-    shutil.rmtree(resumed.run_dir / "checkpoints" / "step-000004")
-    lines = resumed.run_dir / "log.jsonl"
-    lines.write_text("".join(x + "\n" for x in lines.read_text().splitlines()[:2]))
-    again = train(resumed, resume=True, out=lambda s: None)
-    a, b = load_file(str(result.adapter)), load_file(str(again.adapter))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    losses = lambda run: [json.loads(x)["loss"] for x in (run / "log.jsonl").read_text().splitlines()]  # noqa: E731
-    assert losses(resumed.run_dir) == losses(cfg.run_dir) and len(losses(cfg.run_dir)) == 4
+    assert len(assert_resumes_exactly(cfg, result, tmp_path)) == 4
 
 
 @pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)

@@ -103,17 +103,9 @@ def test_training_from_comfyuis_files_is_training_from_the_folder(tiny: Path, tm
     name in a ComfyUI folder, the shipped Qwen-Image configs with ComfyUI's Qwen2.5 tokenizer."""
     import shutil
 
-    from imglora.commands.train import train
     from imglora.families.singlefile import configdir
 
-    d = tmp_path / "files"
-    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {
-        "models/diffusion_models/qwen_image_fp32.safetensors": write_qwen_image_transformer(tiny, d / "t.safetensors"),
-        "models/text_encoders/qwen_2.5_vl_7b_fp32.safetensors": write_qwen25_vl(tiny, d / "te.safetensors"),
-        "models/vae/qwen_image_vae.safetensors": write_qwen_image_vae(tiny, d / "v.safetensors")})
-    shutil.copytree(tiny / "tokenizer", comfy / "comfy" / "text_encoders" / "qwen25_tokenizer")
-    names = [f"model.comfyui={q(comfy)}", 'model.path="qwen_image_fp32.safetensors"',
-             'model.text_encoder="qwen_2.5_vl_7b_fp32.safetensors"', 'model.vae="qwen_image_vae.safetensors"']
+    comfy, names = comfyui_files(tiny, tmp_path, "qwen_image_fp32.safetensors")
 
     def preset(*extra: str):
         return load_config(REPO / "presets" / "tiny-qwen-image.toml", [
@@ -131,22 +123,14 @@ def test_training_from_comfyuis_files_is_training_from_the_folder(tiny: Path, tm
                                                r"Qwen2.5-VL-7B and its VAE as files: set model.vae \(e.g. "
                                                r"qwen_image_vae.safetensors\)"):
         resolve_model(preset(*names[:3]).model, family)
-    flux = write_bfl_flux(ensure_tiny(registry.get("flux")), d / "flux1-dev.safetensors")
+    flux = write_bfl_flux(ensure_tiny(registry.get("flux")), tmp_path / "files" / "flux1-dev.safetensors")
     shutil.copy(flux, comfy / "models" / "diffusion_models" / "flux1-dev.safetensors")
     with pytest.raises(ModelSourceError, match=r"flux1-dev.safetensors is not a Qwen-Image transformer.*"
                                                r"model.family = \"flux\""):
         resolve_model(preset(*names).replace(model={"path": "flux1-dev.safetensors"}).model, family)
 
-    def trained(cfg):
-        result = train(cfg, out=lambda s: None)
-        losses = [json.loads(x)["loss"] for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
-        return losses, load_file(str(result.adapter))
-
     # The preset's FP8 base and swapped block: blocks are quantized as they are read, from either source.
-    folder = trained(preset("run.name=folder"))
-    files = trained(preset("run.name=files", *names, f"model.config={q(tiny)}"))
-    assert folder[0] == files[0] and len(folder[0]) == 2
-    assert folder[1].keys() == files[1].keys() and all(torch.equal(folder[1][k], files[1][k]) for k in folder[1])
+    assert_same_training(preset("run.name=folder"), preset("run.name=files", *names, f"model.config={q(tiny)}"))
 
 
 @pytest.mark.slow  # (the default run keeps under 6 minutes; CI runs it)
@@ -154,21 +138,11 @@ def test_an_edit_model_trains_from_comfyuis_files_as_from_its_folder(tmp_path: P
     """qwen_image_edit_2509_*.safetensors with Qwen-Image's text encoder and VAE files: the shipped
     Edit Plus configs (its model_index.json and image processor) with ComfyUI's Qwen2.5 tokenizer; the
     captions, read with their sources, and the losses are the folder's."""
-    import shutil
-
-    from imglora.commands.train import train
     from imglora.families.singlefile import configdir
 
     family = registry.get("qwen_image_edit_plus")
     tiny = ensure_tiny(family)
-    d = tmp_path / "files"
-    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {
-        "models/diffusion_models/qwen_image_edit_2509_fp32.safetensors": write_qwen_image_transformer(tiny, d / "t.safetensors"),
-        "models/text_encoders/qwen_2.5_vl_7b_fp32.safetensors": write_qwen25_vl(tiny, d / "te.safetensors"),
-        "models/vae/qwen_image_vae.safetensors": write_qwen_image_vae(tiny, d / "v.safetensors")})
-    shutil.copytree(tiny / "tokenizer", comfy / "comfy" / "text_encoders" / "qwen25_tokenizer")
-    names = [f"model.comfyui={q(comfy)}", 'model.path="qwen_image_edit_2509_fp32.safetensors"',
-             'model.text_encoder="qwen_2.5_vl_7b_fp32.safetensors"', 'model.vae="qwen_image_vae.safetensors"']
+    comfy, names = comfyui_files(tiny, tmp_path, "qwen_image_edit_2509_fp32.safetensors")
     edits = REPO / "sample_datasets"
 
     def preset(*extra: str):
@@ -183,12 +157,33 @@ def test_an_edit_model_trains_from_comfyuis_files_as_from_its_folder(tmp_path: P
     assert json.loads((shipped.root / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline"
     assert (shipped.root / "processor" / "preprocessor_config.json").is_file()
 
+    assert_same_training(preset("run.name=folder"), preset("run.name=files", *names, f"model.config={q(tiny)}"))
+
+
+def assert_same_training(folder_cfg, files_cfg) -> None:
+    """Two updates from the model folder and from the single files: the same losses, the same adapter."""
+    from imglora.commands.train import train
+
     def trained(cfg):
         result = train(cfg, out=lambda s: None)
         losses = [json.loads(x)["loss"] for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
         return losses, load_file(str(result.adapter))
 
-    folder = trained(preset("run.name=folder"))
-    files = trained(preset("run.name=files", *names, f"model.config={q(tiny)}"))
+    folder, files = trained(folder_cfg), trained(files_cfg)
     assert folder[0] == files[0] and len(folder[0]) == 2
     assert folder[1].keys() == files[1].keys() and all(torch.equal(folder[1][k], files[1][k]) for k in folder[1])
+
+
+def comfyui_files(tiny: Path, tmp_path: Path, transformer: str) -> tuple[Path, list[str]]:
+    """A ComfyUI folder with ``tiny``'s transformer (named ``transformer``), Qwen2.5-VL and VAE in
+    ComfyUI's layouts and Qwen2.5's tokenizer where ComfyUI keeps it; the preset keys naming them."""
+    import shutil
+
+    d = tmp_path / "files"
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI", {
+        f"models/diffusion_models/{transformer}": write_qwen_image_transformer(tiny, d / "t.safetensors"),
+        "models/text_encoders/qwen_2.5_vl_7b_fp32.safetensors": write_qwen25_vl(tiny, d / "te.safetensors"),
+        "models/vae/qwen_image_vae.safetensors": write_qwen_image_vae(tiny, d / "v.safetensors")})
+    shutil.copytree(tiny / "tokenizer", comfy / "comfy" / "text_encoders" / "qwen25_tokenizer")
+    return comfy, [f"model.comfyui={q(comfy)}", f'model.path="{transformer}"',
+                   'model.text_encoder="qwen_2.5_vl_7b_fp32.safetensors"', 'model.vae="qwen_image_vae.safetensors"']
