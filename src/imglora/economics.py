@@ -138,22 +138,28 @@ class Measured:
     device: str | None = None       # where seconds_per_update was measured: "cpu" or "cuda"
     device_name: str | None = None  # e.g. "NVIDIA H100 80GB HBM3"
     processes: int = 1  # data-parallel processes (GPUs) the speed was measured with
+    offer: dict[str, Any] | None = None  # the run's run.offer: {"name", "rate", "currency"}
 
 
 def from_run(run_dir: Path) -> Measured:
-    from datetime import datetime
-
     from .record import read_records
 
     recs = [r for r in read_records(run_dir, "train") if r.get("sec_per_update", {}).get("median")]
     if not recs:
         raise ImgloraError(f"{run_dir}: no finished training record with a measured seconds per update "
                            "(records/*-train.json); train first, or pass --bench or --sec-per-update")
-    r = recs[-1]
+    m = from_record(recs[-1], read_records(run_dir, "eval"))
+    m.source = f"run {run_dir}"
+    return m
+
+
+def from_record(r: dict[str, Any], evals: list[dict[str, Any]] = ()) -> Measured:  # type: ignore[assignment]
+    """What a training record (and the run's eval records) measured: the inputs of its session."""
+    from datetime import datetime
+
     ph = r.get("phases", {})
     ckpt = r.get("checkpoint_seconds") or []
     cfg = r["config"]["train"]
-    evals = read_records(run_dir, "eval")
     cache = ph.get("cache", 0.0)
     # The final checkpoint, adapter and plots are one more save, measured as finish_seconds.
     saves = ckpt[:-1] + [r.get("finish_seconds", ckpt[-1] if ckpt else 0.0)] if ckpt else []
@@ -166,14 +172,83 @@ def from_run(run_dir: Path) -> Measured:
         evaluation=(evals[-1].get("seconds") or evals[-1].get("duration_seconds") or 0.0) if evals else 0.0,
         steps=r.get("total_updates"), checkpoint_every=cfg.get("checkpoint_every", 0),
         dataset_size=r.get("dataset_items"), batch_size=cfg["batch_size"], grad_accum=cfg["grad_accum"],
-        source=f"run {run_dir}",
+        source="a training record",
         device=r.get("environment", {}).get("device"), device_name=r.get("environment", {}).get("device_name"),
-        processes=r.get("processes") or 1,
+        processes=r.get("processes") or 1, offer=r.get("offer"),
     )
     started, finished = r.get("started"), r.get("finished")
     if started and finished:
         m.actual_seconds = (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()
     return m
+
+
+def session_inputs(m: Measured, **given: Any) -> SessionInputs:
+    """The session of ``m`` as measured, with ``given`` (SessionInputs fields) in place of what was
+    measured: the inputs `imglora estimate` and the training record's cost both use."""
+    steps = given.pop("steps", None) or m.steps or 0
+    every = given.pop("checkpoint_every", None)
+    every = m.checkpoint_every if every is None else every
+    spu = given.pop("seconds_per_update", None) or m.seconds_per_update
+    base = dict(setup=m.setup, cache=m.cache, steps=steps, seconds_per_update=spu,
+                checkpoints=checkpoint_count(steps, every), seconds_per_checkpoint=m.seconds_per_checkpoint,
+                evaluation=m.evaluation, idle=0.0)
+    return SessionInputs(**{**base, **{k: v for k, v in given.items() if v is not None}})
+
+
+def parse_offer(text: str) -> tuple[str, float, float | None]:
+    """``NAME:RATE`` or ``NAME:RATE:SEC_PER_UPDATE`` (the name may hold colons) -> (name, rate, seconds
+    per update or None); ValueError with what is wrong."""
+    parts = text.rsplit(":", 2)
+    try:
+        if len(parts) == 3 and _is_number(parts[1]):
+            name, rate, spu = parts[0], float(parts[1]), float(parts[2])
+        else:
+            name, rate_text = text.rsplit(":", 1)
+            rate, spu = float(rate_text), None
+    except ValueError:
+        raise ValueError(f"{text!r}: expected NAME:RATE or NAME:RATE:SEC_PER_UPDATE, e.g. \"RTX 4090:0.44:2.1\"") \
+            from None
+    if not name.strip() or not math.isfinite(rate) or rate < 0 or (spu is not None and (not math.isfinite(spu)
+                                                                                         or spu <= 0)):
+        raise ValueError(f"{text!r}: a name, a rate that is a finite number >= 0 and seconds per update that are a "
+                         "finite number > 0")
+    return name, rate, spu
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def run_rate(cfg: Any) -> tuple[str | None, float, Any]:
+    """(the offer's name or None, the hourly rate a run is billed at, train.budget with that rate):
+    train.budget.hourly_rate, else run.offer's rate (the config refuses two different rates); 0.0
+    when neither is set. The budget guard projects the cost at that rate."""
+    from dataclasses import replace
+
+    name, rate = None, cfg.train.budget.hourly_rate
+    if cfg.run.offer:
+        name, offered, _ = parse_offer(cfg.run.offer)
+        rate = rate or offered
+    return name, rate, replace(cfg.train.budget, hourly_rate=rate)
+
+
+def run_cost(rec: dict[str, Any], offer: str | None, rate: float, currency: str, session_hours: float,
+             budget_stop: "Projection | None") -> dict[str, Any]:
+    """What a training record keeps of its offer: the name and rate, the training session's cost as
+    `imglora estimate RUN_DIR` computes it from this record (``cost``: the same function on the same
+    record, so the two agree to the cent), the meter's (``metered``: wall time since set-up), and the
+    projected cost at which the budget guard stopped the run, if it did."""
+    try:
+        cost: float | None = estimate(session_inputs(from_record(rec), evaluation=0.0), rate, currency).cost
+    except (ImgloraError, KeyError, TypeError):  # too few updates to have measured one: no estimate
+        cost = None
+    return {"name": offer, "rate": rate, "currency": currency, "cost": None if cost is None else round(cost, 6),
+            "metered": round(session_hours * rate, 6),
+            "at_budget_stop": round(budget_stop.cost, 6) if budget_stop and budget_stop.cost is not None else None}
 
 
 def from_bench(path: Path, setting: str | None = None) -> Measured:

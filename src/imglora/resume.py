@@ -200,6 +200,13 @@ def restore(state: dict[str, Any], family: Any, session: Any, data_version: str,
     return state["step"]
 
 
+def quantization_fact(session: Any) -> dict[str, Any]:
+    """The 4-bit kind the base ran in (memory.quantization = "auto" decides it per machine), kept in
+    each checkpoint so ``restore`` refuses a resume that would quantize otherwise."""
+    ran = session.memory.facts.get("quantization", {}).get("ran")
+    return {"quantization_ran": ran} if ran else {}
+
+
 def continue_schedule(optimizer: Any, scheduler: Any) -> None:
     """After the run's length changed: the learning rate of the next update is the new schedule's
     at this update (as kohya sd-scripts continues when max_train_steps is raised on resume), not the

@@ -38,7 +38,8 @@ def read(path: Path, upto: int) -> list[dict[str, Any]]:
     return rows
 
 
-def progress_line(step: int, total: int, row: dict[str, Any], times: list[float], device: torch.device) -> str:
+def progress_line(step: int, total: int, row: dict[str, Any], times: list[float], device: torch.device,
+                  currency: str = "USD") -> str:
     recent = times[-20:]
     per = sorted(recent)[len(recent) // 2] if recent else row["sec_per_update"]
     eta = telemetry.fmt_duration(per * (total - step))
@@ -46,8 +47,9 @@ def progress_line(step: int, total: int, row: dict[str, Any], times: list[float]
     filled = int(width * step / total)
     mem = (f" | peak {telemetry.gib(row['peak_allocated'])} alloc, {telemetry.gib(row['peak_reserved'])} reserved"
            if is_cuda(device) else "")
+    cost = f" | {row['cost']:.2f} {currency} so far" if "cost" in row else ""
     return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
-            f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB")
+            f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB{cost}")
 
 
 class DivergenceWatch:

@@ -186,13 +186,6 @@ def _quiet(_: str) -> None:
     pass
 
 
-def _compile_graphs(cfg: "Config") -> dict[str, int] | None:
-    """memory.compile: the graphs dynamo compiled and its recompilations (new bucket shapes)."""
-    from .memory import compile as compiled
-
-    return compiled.graphs() if cfg.memory.compile != "none" else None
-
-
 class _Run:
     """What the "every N updates" blocks share: the log, timing, checkpoints, the budget projection."""
 
@@ -211,6 +204,7 @@ class _Run:
             if "loss" in row:
                 self.watch.add(row["step"], row["loss"])
         self.trackers = trackers.start(session.accelerator, cfg, "train") if self.main else None
+        self.offer, self.rate, self.budget = economics.run_rate(cfg)  # run.offer / train.budget.hourly_rate
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
         self.loss_sum = torch.zeros((), device=self.device)
@@ -258,6 +252,8 @@ class _Run:
         row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
                "sec_per_update": per_update, "grad_norm": grad_norm, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
+        if self.rate:  # the meter since the set-up began, at the run's rate
+            row["cost"] = round((now - self.t_setup) / 3600 * self.rate, 6)
         seen = self.watch.first is not None
         if self.watch.add(step, loss_value):
             row["diverging"] = True
@@ -270,10 +266,10 @@ class _Run:
                                    "train/grad_norm": grad_norm, "train/peak_allocated": mem["peak_allocated"],
                                    "train/peak_reserved": mem["peak_reserved"], "train/peak_rss": mem["peak_rss"]},
                                   step)
-        self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device))
+        self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device, self.budget.currency))
         if self.watch.first is not None and not seen:
             self.out(self.watch.warning())
-        budget = self.cfg.train.budget
+        budget = self.budget
         if self.main and self.projection is None and len(self.step_times) >= WARMUP_UPDATES + budget.smoke_steps \
                 and step < self.total:
             if not self.rec.data.get("checkpoint_seconds"):
@@ -334,7 +330,7 @@ class _Run:
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
                                    extra={"dataset_version": self.data.version, "total_updates": self.total,
-                                          "processes": self.procs, **_quantization(self.s)})
+                                          "processes": self.procs, **resume.quantization_fact(self.s)})
         seconds = time.perf_counter() - t0
         self.rec.data.setdefault("checkpoint_seconds", []).append(round(seconds, 4))
         self.paused += seconds
@@ -395,7 +391,7 @@ class _Run:
         rec.set(finish_seconds=round(time.perf_counter() - t_finish, 3))
         rec.set(steps_done=step, interrupted=interrupted, loop_seconds=round(loop_seconds, 3),
                 sec_per_update=telemetry.steady_state(self.step_times, WARMUP_UPDATES),
-                peak_memory=telemetry.memory(self.device), compile_graphs=_compile_graphs(cfg),
+                peak_memory=telemetry.memory(self.device), compile_graphs=_compiled_graphs() if cfg.memory.compile != "none" else None,
                 final_loss=next((r["loss"] for r in reversed(self.history) if "loss" in r), None),
                 final_val_loss=next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None),
                 adapter=str(adapter) if adapter else None, last_checkpoint=str(ckpt_path) if ckpt_path else None,
@@ -409,6 +405,9 @@ class _Run:
         session_hours = (time.perf_counter() - self.t_setup) / 3600
         rec.set(divergence=self.watch.first)  # None: the loss never ran away
         rec.set(signal=self.stop_signal, processes=self.procs, gpu_hours=round(session_hours * self.procs, 5))
+        if self.offer is not None or self.rate:
+            rec.set(offer=economics.run_cost(rec.data, self.offer, self.rate, cfg.train.budget.currency, session_hours,
+                                             self.projection if self.stop_signal == "budget" else None))
         rec_path = rec.write(status="interrupted" if interrupted else "ok") if self.main else None
         if not self.main:
             return TrainResult(self.run_dir, None, step, interrupted, rec_path, self.stop_signal)
@@ -494,7 +493,7 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def _quantization(session: Any) -> dict[str, Any]:
-    """The 4-bit kind the base ran in (memory.quantization = "auto" decides it per machine), for resume."""
-    ran = session.memory.facts.get("quantization", {}).get("ran")
-    return {"quantization_ran": ran} if ran else {}
+def _compiled_graphs() -> dict[str, int]:
+    from .memory import compile as compiled  # (imported only where memory.compile is on)
+
+    return compiled.graphs()

@@ -41,13 +41,13 @@ def estimate(run_dir: str | None, bench_file: str | None, setting: str | None, s
     steps = steps or m.steps
     if not steps:
         raise ImgloraError("how many updates? give --steps, or --epochs with --dataset-size")
-    every = m.checkpoint_every if checkpoint_every is None else checkpoint_every
-    inputs = ec.SessionInputs(
-        setup=m.setup if setup is None else setup, cache=m.cache if cache_s is None else cache_s, steps=steps,
-        seconds_per_update=spu, checkpoints=ec.checkpoint_count(steps, every),
-        seconds_per_checkpoint=m.seconds_per_checkpoint if sec_per_checkpoint is None else sec_per_checkpoint,
-        evaluation=m.evaluation if eval_seconds is None else eval_seconds, idle=idle_minutes * 60)
+    inputs = ec.session_inputs(m, steps=steps, seconds_per_update=spu, checkpoint_every=checkpoint_every, setup=setup,
+                               cache=cache_s, seconds_per_checkpoint=sec_per_checkpoint, evaluation=eval_seconds,
+                               idle=idle_minutes * 60)
     extras = ec.Extras(*_pair(storage, "--storage"), *_pair(transfer, "--transfer"))
+    if rate is None and m.offer:  # the run named its offer (run.offer): its rate, as the run's record counted it
+        rate, currency = m.offer["rate"], m.offer.get("currency", currency)
+        echo(f"rate: {rate:g} {currency}/h, the run's offer {m.offer['name']!r} (run.offer)")
     est = ec.estimate(inputs, rate, currency, extras)
     procs = gpus or m.processes
     per_gpu = f" × {procs} processes" if procs > 1 else ""
@@ -58,6 +58,9 @@ def estimate(run_dir: str | None, bench_file: str | None, setting: str | None, s
         if gpus and gpus != m.processes and not (sec_per_update or its or sec_per_micro_batch):
             echo(f"  note: the speed was measured with {m.processes} process(es), not {gpus}: scaling not measured; "
                  f"train a few updates with --gpus {gpus} (or bench there) and estimate from that run")
+    if m.offer and m.offer.get("cost") is not None:
+        echo(f"  the run's record: {m.offer['cost']:.2f} {m.offer.get('currency', currency)} for the training session "
+             f"at {m.offer['rate']:g}/h (metered: {m.offer['metered']:.2f})")
     if m.actual_seconds and steps == m.steps and idle_minutes == 0:
         err = 100 * (est.seconds - m.actual_seconds) / m.actual_seconds
         echo(f"  measured session of that run: {m.actual_seconds:.1f} s (estimate {err:+.1f} %)")
@@ -94,27 +97,9 @@ def _pair(text: str | None, flag: str) -> tuple[float, float]:
 
 
 def _offer(text: str) -> tuple[str, float, float | None]:
-    parts = text.rsplit(":", 2)
     try:
-        if len(parts) == 3 and _is_number(parts[1]):
-            name, rate, spu = parts[0], float(parts[1]), float(parts[2])
-        else:
-            name, rate_text = text.rsplit(":", 1)
-            rate, spu = float(rate_text), None
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected NAME:RATE or NAME:RATE:SEC_PER_UPDATE, e.g. "
-                                 "\"RTX 4090:0.44:2.1\"", param_hint="--offer") from None
-    if not math.isfinite(rate) or rate < 0 or (spu is not None and (not math.isfinite(spu) or spu <= 0)):
-        raise click.BadParameter(f"{text!r}: the rate must be a finite number >= 0 and the seconds per update "
-                                 "a finite number > 0", param_hint="--offer")
-    return name, rate, spu
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        return ec.parse_offer(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--offer") from None
 
 

@@ -32,9 +32,9 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     if d.min_bucket_side > d.max_bucket_side:
         problems.append(f"{where('data.min_bucket_side')}: {d.min_bucket_side} is larger than "
                         f"data.max_bucket_side = {d.max_bucket_side}")
-    if t.budget.max_cost and not t.budget.hourly_rate:
-        problems.append(f"{where('train.budget.max_cost')}: set train.budget.hourly_rate too, or the cost "
-                        "cannot be projected")
+    if t.budget.max_cost and not t.budget.hourly_rate and not cfg.run.offer:
+        problems.append(f"{where('train.budget.max_cost')}: set train.budget.hourly_rate (or run.offer) too, or the "
+                        "cost cannot be projected")
     if t.warmup_steps and t.max_steps and t.warmup_steps > t.max_steps:
         problems.append(f"{where('train.warmup_steps')}: {t.warmup_steps} warmup steps exceed "
                         f"train.max_steps = {t.max_steps}")
@@ -52,6 +52,7 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
                         "memory, and memory.gradient_checkpointing = false keeps nothing, so it would save no "
                         "memory; set memory.gradient_checkpointing = true, or memory.offload_checkpoints = false")
     _budget_checks(cfg, where, problems)
+    _offer_checks(cfg, where, problems)
     data_checks(d, where, problems)
     holdout_checks(cfg, where, problems)
     _name_checks(cfg, where, problems)
@@ -74,6 +75,20 @@ def _preservation_checks(cfg: Config, where: Where, problems: list[str]) -> None
         key = "train.dop_weight" if t.dop_weight else "train.blank_preservation_weight"
         problems.append(f"{where(key)}: output preservation denoises other captions with cached text-encoder "
                         "outputs, and lora.text_encoder trains the text encoders; turn one of them off")
+
+
+def _offer_checks(cfg: Config, where: Where, problems: list[str]) -> None:
+    if not cfg.run.offer:
+        return
+    try:
+        _, rate, _ = economics.parse_offer(cfg.run.offer)
+    except ValueError as exc:
+        problems.append(f"{where('run.offer')}: {exc}")
+        return
+    hourly = cfg.train.budget.hourly_rate
+    if hourly and hourly != rate:
+        problems.append(f"{where('run.offer')}: its rate {rate:g} differs from train.budget.hourly_rate = {hourly:g}; "
+                        "give the rate once (remove train.budget.hourly_rate: the offer's rate is the budget's)")
 
 
 def _budget_checks(cfg: Config, where: Where, problems: list[str]) -> None:

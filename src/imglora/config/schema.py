@@ -414,6 +414,12 @@ class ExportConfig:
 class RunConfig:
     name: str = setting("", help="Run folder name; empty = the preset's file name.", resume_safe=True)
     output_dir: str = setting("runs", help="Parent folder of run folders.", resume_safe=True)
+    offer: str = setting(
+        "", help="The machine offer the run is paid on, as NAME:RATE_PER_HOUR (estimate's --offer syntax; a third "
+                 ":SEC_PER_UPDATE part is accepted and not used), e.g. \"RTX 4090 spot:0.44\": the log and progress "
+                 "line show the cost so far, the record keeps the training session's cost (as `imglora estimate "
+                 "RUN_DIR` computes it) and the budget guard projects at this rate (train.budget.currency).",
+        resume_safe=True)
     log_with: list[Literal["tensorboard", "wandb"]] = setting(
         [], help="Experiment trackers (through accelerate): tensorboard (events in <run>/tensorboard), wandb (offline "
                  "unless run.wandb_mode = \"online\"). Training logs loss, lr, seconds per update, peak memory and "
