@@ -153,7 +153,7 @@ def from_run(run_dir: Path) -> Measured:
     return m
 
 
-def from_record(r: dict[str, Any], evals: list[dict[str, Any]] = ()) -> Measured:  # type: ignore[assignment]
+def from_record(r: dict[str, Any], evals: list[dict[str, Any]] | None = None) -> Measured:
     """What a training record (and the run's eval records) measured: the inputs of its session."""
     from datetime import datetime
 

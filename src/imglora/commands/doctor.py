@@ -197,10 +197,9 @@ def _preset(r: Report, preset: str, overrides: tuple[str, ...], gpus: list[dict[
             r.problems.append(f"{setting.name} needs {need / GIB:.1f} GiB of GPU memory and {free / GIB:.1f} GiB are "
                               "free: swap more blocks (memory.blocks_to_swap) or keep the base in fp8 "
                               f"(`imglora plan {preset} --vram {free / GIB:.0f}GiB` names the fastest setting that fits)")
-        host = p.host_peak
-    else:
-        host = p.host_peak  # on the CPU the device peak is host memory too (plan counts it there)
-        r.add("plan", f"{setting.name} on the CPU: {host / GIB:.1f} GiB of host RAM at the peak")
+    else:  # on the CPU the device peak is host memory too (the plan counts it there)
+        r.add("plan", f"{setting.name} on the CPU: {p.host_peak / GIB:.1f} GiB of host RAM at the peak")
+    host = p.host_peak
     if host > available:
         r.problems.append(f"the run needs about {host / GIB:.1f} GiB of host RAM and {available / GIB:.1f} GiB are "
                           "available: swap fewer blocks, close other processes, or rent a machine with more RAM")

@@ -14,9 +14,9 @@ if TYPE_CHECKING:
 
 
 def overflow_warning(cfg: "Config", the_plan: Any) -> str | None:
-    """(``the_plan``: the cache's CachePlan.) One warning naming the captions longer than their text encoder's token limit: they were cut
-    off when encoded, so their tail is never trained on. Read from the entries' headers (the
-    encoder counted the tokens), so it is said on every run, not only the one that encoded them."""
+    """One warning naming the captions of ``the_plan`` (a cache.CachePlan) longer than their text
+    encoder's token limit: they were cut off when encoded, so their tail is never trained on. Read
+    from the entries' headers (the encoder counted the tokens), so it is said on every run."""
     cache = Cache(cfg.cache.dir)
     images: dict[str, list[str]] = {}
     for item, choice in the_plan.choices.items():

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..flux.model import pack_latents
-from ..qwen_image.model import PLAN_TEXT_TOKENS, TEXT_MAX_LENGTH, QwenImageTrainable
+from ..qwen_image.model import TEXT_MAX_LENGTH, QwenImageTrainable
 from ..qwen_image.model import synthetic_batch as qwen_batch
 
 # QwenImageEditPipeline.prompt_template_encode (Edit); Edit Plus has the same system prompt and no
@@ -121,7 +121,7 @@ def synthetic_batch(trainable: Any, resolution: int, cfg: Any, device: torch.dev
     g = torch.Generator().manual_seed(1)
     text = batch["prompt_embeds"]
     n, length, dim = text.shape
-    batch["prompt_embeds"] = torch.randn(n, min(length, PLAN_TEXT_TOKENS) + sources * vision_tokens, dim,
+    batch["prompt_embeds"] = torch.randn(n, length + sources * vision_tokens, dim,
                                          generator=g).to(device)
     batch["control_latents"] = torch.randn(n, sources, *batch["latents"].shape[1:], generator=g).to(device)
     return batch
