@@ -14,27 +14,30 @@
 #     imglora is this checkout's, through PYTHONPATH=src; a library that does not import is
 #     installed from .whl/ only (pip --no-index --no-deps --target a temporary folder, added to
 #     PYTHONPATH), else named, and the steps that need it are skipped
-#   1 imglora bench-swap presets/flux.toml --arch full --resolution 1024 --blocks fp8:18,fp8:0
+#   1 imglora bench-swap presets/flux.toml --arch full --resolution 1024 --blocks fp8:18,fp8:0,fp8c:18
 #       --steps 8 --warmup 3 --set memory.swap_prefetch=1 (fp8:18 first; random FLUX.1-dev weights
 #       made on the GPU: no model download; prefetch held at 1 block, the least memory, which the
 #       peak target is about; the result still records each block's measured copy and compute time
-#       and the depth auto would choose, memory.swap_prefetch = 0, the default)
+#       and the depth auto would choose, memory.swap_prefetch = 0, the default; fp8c:18, fp8 compute,
+#       last: the first H200 run measured it where the other two crashed)
 #   2 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
 #   3 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, the GPU
-#   4 imglora plan (the prediction for the same settings; needs no GPU)
-#   5 benchmarks/gpu_summary.py: each target with PASS / FAIL / NOT MEASURED, the plan's prediction
+#   4 diagnose, only when a bench setting crashed or trained a NaN: one update of the swapped setting
+#     with CUDA_LAUNCH_BLOCKING=1 and bench-swap --detect-anomaly (DIR/diagnose/)
+#   5 imglora plan (the prediction for the same settings; needs no GPU)
+#   6 benchmarks/gpu_summary.py: each target with PASS / FAIL / NOT MEASURED, the plan's prediction
 #     next to each measured peak; DIR/summary.md is the same in Markdown for docs/benchmarks.md
 #
 # Everything lands in DIR (default gpu-check-<timestamp>): check.log (all output), steps.tsv,
 # probe.json, pytest-gpu.xml, bench-flux/ (bench.json, .csv, .png, one folder per setting),
-# plan.json, summary.md. Exit status: 0 when every target passes (dry run: when every step ran),
+# diagnose/ (if it ran), plan.json, summary.md. Exit status: 0 when every target passes (dry run: when every step ran),
 # 1 otherwise (CUDA unavailable without --dry-run: at once), 2 on a usage error.
 #
 # Environment: PYTHON (default: the first of python3, python that has torch); GPU_CHECK_PIP=0 never
 # runs pip (no wheel install); GPU_CHECK_WHEELS (default .whl); GPU_CHECK_STEPS (default "bench
-# pytest probe plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
+# pytest probe diagnose plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
 # dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds);
-# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0; fp8f:N is the fused dequantizing
+# GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0,fp8c:18; fp8f:N is the fused dequantizing
 # path, fp8c:N fp8 compute, a +compile suffix compiled blocks: fp8c+compile:18; its first update
 # counts the compilation).
 
@@ -111,7 +114,7 @@ run_step() {  # step seconds command... : runs it under timeout, prints and reco
     return "$rc"
 }
 NOTE=""
-WANTED=" ${GPU_CHECK_STEPS:-bench pytest probe plan} "
+WANTED=" ${GPU_CHECK_STEPS:-bench pytest probe diagnose plan} "
 wanted() { case "$WANTED" in *" $1 "*) return 0 ;; esac; return 1; }
 
 if [ "$DRY" -eq 1 ]; then
@@ -270,16 +273,18 @@ record env ok 0 "$((SECONDS - t0))" "$env_note"
 
 if [ "$DRY" -eq 1 ]; then
     PRESET=presets/tiny-flux.toml
-    BLOCKS=fp8:4,fp8:0  # the swapped setting first, as on the GPU
+    BLOCKS=fp8:4,fp8:0,fp8c:4  # the swapped setting first, as on the GPU
     SWAPPED=fp8:4
     BENCH_ARGS=(--steps 2 --warmup 1)
+    ARCH_ARGS=()  # the preset's own (tiny) model
     SIZE_ARGS=()  # the preset's resolution
     SUMMARY_ARGS=(--dry-run --swapped "$SWAPPED")
 else
     PRESET=presets/flux.toml
-    BLOCKS=fp8:18,fp8:0  # fp8:18 first: the targets are about it
+    BLOCKS=fp8:18,fp8:0,fp8c:18  # fp8:18 first: the targets are about it
     SWAPPED=fp8:18
     BENCH_ARGS=(--arch full --steps 8 --warmup 3)
+    ARCH_ARGS=(--arch full)
     SIZE_ARGS=(--resolution 1024)
     SUMMARY_ARGS=(--swapped "$SWAPPED")
 fi
@@ -321,17 +326,52 @@ else
     skip probe "torch is not importable"
 fi
 
-# ------------------------------------------------------------------------------ 4: plan
+# ------------------------------------------------------------------------------ 4: diagnose
+# Only when the bench found something wrong: a setting that crashed, or losses that are not finite
+# (the first H200 run: an illegal memory access in two settings, NaN from the second update in all).
+# One update of the swapped setting again, with CUDA_LAUNCH_BLOCKING=1 (a crash that goes away then
+# is an ordering bug between streams or with host memory) and every backward under autograd's anomaly
+# detection (the first operation that makes a NaN or infinity is named, with the forward line).
+bench_trouble() {
+    timeout 30 "$PY" - "$OUT/bench-flux/bench.json" <<'EOF2' 2>/dev/null
+import json, math, sys
+try:
+    results = json.load(open(sys.argv[1]))["results"]
+except Exception:
+    sys.exit(0)  # no bench.json: the bench itself did not finish
+bad = [r for r in results if r.get("status") != "ok"
+       or any(not (isinstance(x, (int, float)) and math.isfinite(x)) for x in r.get("losses") or [])]
+sys.exit(1 if bad else 2)
+EOF2
+}
+if ! wanted diagnose; then
+    skip diagnose "not in GPU_CHECK_STEPS"
+elif [ "$DEPS_OK" -ne 1 ]; then
+    skip diagnose "needs imglora's dependencies"
+else
+    bench_trouble
+    case $? in
+        1) NOTE="CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection, one update of $SWAPPED"
+           CUDA_LAUNCH_BLOCKING=1 run_step diagnose "$(budget 100)" "${IMGLORA[@]}" bench-swap "$PRESET" \
+               ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks "$SWAPPED" \
+               --steps 1 --warmup 1 --detect-anomaly --set memory.swap_prefetch=1 --timeout 90 \
+               --out "$OUT/diagnose" ;;
+        2) skip diagnose "the bench found nothing to diagnose" ;;
+        *) skip diagnose "no bench.json to read" ;;
+    esac
+fi
+
+# ------------------------------------------------------------------------------ 5: plan
 if ! wanted plan; then
     skip plan "not in GPU_CHECK_STEPS"
 elif [ "$DEPS_OK" -eq 1 ]; then  # this checkout's imglora, which has the command
-    run_step plan "$(budget 30)" "${IMGLORA[@]}" plan "$PRESET" --blocks "$BLOCKS" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
+    run_step plan "$(budget 60)" "${IMGLORA[@]}" plan "$PRESET" --blocks "$BLOCKS" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
         --json "$OUT/plan.json"
 else
     skip plan "needs imglora's dependencies"
 fi
 
-# ------------------------------------------------------------------------------ 5: summary
+# ------------------------------------------------------------------------------ 6: summary
 echo
 echo "== [summary]"
 t0=$SECONDS

@@ -13,7 +13,14 @@ numbers this script measures in well under a minute:
 (c) fp8 tensor cores (compute capability >= 8.9): ``torch._scaled_mm`` throughput against a bf16
     matmul on a 4096x3072 @ 3072x3072 product (a FLUX projection at 1024 px is 4096 tokens x 3072);
     any failure is recorded as its error string;
-(d) the GPU, driver, CUDA runtime, torch version and total memory.
+(d) the GPU, driver, CUDA runtime, torch version and total memory;
+(e) attention at FLUX.1's 1024 px shape (24 heads, 4096 + 512 tokens, head size 128): each of
+    scaled_dot_product_attention's kernels (flash, memory-efficient, cuDNN, and the math one in
+    bf16) forward and backward on one set of random inputs, against the math kernel in float32:
+    whether outputs and gradients are finite, their largest error relative to the reference's
+    largest value, and milliseconds per forward + backward; the default kernel order. The first
+    H200 run trained NaN from the second update in every setting: this says at once whether an
+    attention kernel is the cause. Last, since a kernel that faults spoils the CUDA context.
 
 Needs torch only (not imglora). Without a CUDA device it prints "no CUDA device: probe skipped",
 writes {"cuda": false, ...} and exits 0, so a CPU dry run works.
@@ -41,6 +48,9 @@ OVERLAP_MATMUL = 4096          # side of the square bf16 matmuls run against the
 OVERLAP_COPIES = 8             # pinned host->device copies of --size-mib each, on the side stream
 FP8_SHAPE = (4096, 3072, 3072)  # m, k, n: (m x k) @ (k x n), a FLUX projection at 1024 px
 MATMUL_ITERS = 50              # matmuls per timed repeat in (c)
+ATTN_SHAPE = (1, 24, 4608, 128)  # batch, heads, tokens, head size: FLUX.1 at 1024 px, in (e)
+ATTN_KERNELS = (("flash", "FLASH_ATTENTION", "bfloat16"), ("efficient", "EFFICIENT_ATTENTION", "bfloat16"),
+                ("cudnn", "CUDNN_ATTENTION", "bfloat16"), ("math_bf16", "MATH", "bfloat16"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +105,8 @@ def probe(torch: Any, nbytes: int, repeats: int) -> dict[str, Any]:
     result["overlap"] = _guard(lambda: overlap(torch, device, nbytes, repeats))
     torch.cuda.empty_cache()
     result["fp8"] = _guard(lambda: fp8_matmul(torch, device, repeats))
+    torch.cuda.empty_cache()
+    result["attention"] = _guard(lambda: attention(torch, device, repeats))
     result["probe_seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
@@ -281,6 +293,62 @@ def fp8_matmul(torch: Any, device: Any, repeats: int) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ (e)
+
+
+def _max_rel(torch: Any, got: Any, ref: Any) -> float:
+    return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def attention(torch: Any, device: Any, repeats: int) -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, w = (torch.randn(ATTN_SHAPE, generator=g, device=device, dtype=torch.bfloat16) for _ in range(4))
+
+    def run(backend: Any, dtype: Any) -> tuple[Any, list[Any]]:
+        leaves = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]  # fresh leaves: no gradient adds up
+        with sdpa_kernel([backend]):
+            o = sdpa(*leaves)
+            o.backward(w.to(dtype))  # w: the upstream gradient
+        return o.detach(), [t.grad for t in leaves]
+
+    ref_o, ref_g = run(SDPBackend.MATH, torch.float32)
+    out: dict[str, Any] = {"shape": list(ATTN_SHAPE), "reference": "math kernel, float32"}
+    try:
+        order = torch._C._get_sdp_priority_order()
+        names = {int(getattr(SDPBackend, n)): short for n, short in (
+            ("MATH", "math"), ("FLASH_ATTENTION", "flash"), ("EFFICIENT_ATTENTION", "efficient"),
+            ("CUDNN_ATTENTION", "cudnn"), ("OVERRIDEABLE", "overrideable")) if hasattr(SDPBackend, n)}
+        out["default_order"] = [names.get(int(b), str(b)) for b in order]
+    except Exception as exc:  # noqa: BLE001 -- a private API: its absence is recorded, not fatal
+        out["default_order"] = f"unknown ({type(exc).__name__})"
+
+    def one(backend: Any, dtype: Any) -> dict[str, Any]:
+        o, grads = run(backend, dtype)
+        finite = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(x).all()) for x in grads)
+        errors = {"out": _max_rel(torch, o, ref_o.float()),
+                  **{f"grad_{n}": _max_rel(torch, x, r.float()) for n, x, r in zip("qkv", grads, ref_g)}}
+        times = []
+        for _ in range(repeats):
+            start, end = _events(torch)
+            start.record()
+            run(backend, dtype)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return {"finite": finite, "max_rel_error": max(errors.values()), "errors": errors,
+                "ms_forward_backward": statistics.median(times)}
+
+    for name, backend, dtype in ATTN_KERNELS:
+        if not hasattr(SDPBackend, backend):
+            out[name] = {"error": f"this torch has no SDPBackend.{backend}"}
+            continue
+        out[name] = _guard(lambda b=getattr(SDPBackend, backend), d=getattr(torch, dtype): one(b, d))
+    return out
+
+
 # -------------------------------------------------------------------------------------- report
 
 
@@ -324,6 +392,19 @@ def summary(r: dict[str, Any]) -> str:
                 lines.append(f"    {label}: {s.get('error') or s.get('skipped')}")
         if "speedup_vs_bf16" in f:
             lines.append(f"    fp8 / bf16 throughput: {f['speedup_vs_bf16']:.2f}x")
+    a = r.get("attention", {})
+    if "error" in a:
+        lines.append(f"  attention: {a['error']}")
+    elif a:
+        lines.append(f"  attention {'x'.join(map(str, a['shape']))} (bf16, forward + backward, against "
+                     f"{a['reference']}); default order: {a.get('default_order')}")
+        for name, _, _ in ATTN_KERNELS:
+            s = a.get(name, {})
+            if "error" in s:
+                lines.append(f"    {name:10s} {s['error'][:160]}")
+            elif s:
+                lines.append(f"    {name:10s} {'finite' if s['finite'] else 'NOT FINITE'}, largest relative error "
+                             f"{s['max_rel_error']:.1e}, {s['ms_forward_backward']:.1f} ms")
     lines.append(f"  probe took {r.get('probe_seconds', 0):.1f} s")
     return "\n".join(lines)
 

@@ -10,6 +10,8 @@ Targets (FLUX.1-dev, 1024 px, rank 16, batch 1, gradient checkpointing):
 - fp8 + 18 swapped blocks: peak allocated < 10 GiB
 - fp8 + 18 swapped blocks: seconds per update <= 0.6 s
 - fp8:18 / fp8:0 seconds per update <= 1.05
+- every per-update loss finite, and fp8:18's equal to fp8:0's within bf16 tolerance (the same weights,
+  seeds and batches: the one numerical test of the real path; a NaN run's timings measure nothing)
 - the GPU tests (pytest -m gpu) pass
 
 With --dry-run (or without CUDA) every target is "not measured (no GPU)": the CPU figures only show
@@ -38,6 +40,7 @@ TARGETS = {
     "peak": "fp8 + 18 swapped blocks: peak allocated < 10 GiB",
     "speed": "fp8 + 18 swapped blocks: seconds per update <= 0.6 s",
     "ratio": "fp8:18 / fp8:0 seconds per update <= 1.05",
+    "losses": "losses finite at every update, fp8:18 and fp8:0 equal within bf16 tolerance",
     "tests": "GPU tests (pytest -m gpu) pass",
 }
 NO_GPU = "not measured (no GPU)"
@@ -187,6 +190,12 @@ def evaluate(bench: dict[str, Any] | None, bench_why: str | None, plan: dict[str
         else:
             row("ratio", f"CPU dry run{stand_in}: {ratio:.3f}", NO_GPU)
 
+    # losses: finite, and the same math with and without swapping
+    if bench is None:
+        row("losses", f"no bench result: {bench_why}", NOT_MEASURED if measured else NO_GPU)
+    else:
+        row("losses", *losses_verdict(bench, sw, ref, swapped, reference, measured))
+
     # GPU tests
     step = next((s for s in steps if s["step"] == "pytest"), None)
     if step is None or step["status"] == "skipped":
@@ -206,6 +215,38 @@ def evaluate(bench: dict[str, Any] | None, bench_why: str | None, plan: dict[str
     return rows
 
 
+def _first_nonfinite(r: dict[str, Any]) -> int | None:
+    bad = [i for i, x in enumerate(r.get("losses") or []) if not (isinstance(x, (int, float)) and abs(x) < float("inf"))]
+    return bad[0] if bad else None
+
+
+def losses_verdict(bench: dict[str, Any], sw: dict[str, Any] | None, ref: dict[str, Any] | None, swapped: str,
+                   reference: str, measured: bool) -> tuple[str, str]:
+    """(measured, verdict) of the losses target: every finished setting's losses finite, and the
+    swapped setting's equal to the reference's (bench-swap's own loss_agreement)."""
+    done = [r for r in bench.get("results", []) if r.get("status") == "ok"]
+    if not done:
+        return "no setting finished", NOT_MEASURED if measured else NO_GPU
+    parts, good = [], True
+    for r in done:
+        bad = _first_nonfinite(r)
+        if bad is not None:
+            good = False
+            parts.append(f"{r['setting']}: loss {r['losses'][bad]} at update {bad + 1} of {len(r['losses'])}")
+    pair = next((a for a in bench.get("loss_agreement", [])
+                 if {a.get("reference"), a.get("setting")} == {reference, swapped}), None)
+    if pair is not None:
+        parts.append(pair["text"])
+        good = good and bool(pair.get("agree"))
+    elif not (sw and sw.get("status") == "ok" and ref and ref.get("status") == "ok"):
+        parts.append(f"{swapped} vs {reference}: not both finished")
+        good = False
+    text = "; ".join(parts) or "finite"
+    if not measured:
+        return f"CPU dry run: {text}", NO_GPU
+    return text, PASS if good else FAIL
+
+
 def bench_rows(bench: dict[str, Any] | None, plan: dict[str, Any] | None) -> list[list[str]]:
     planned = plan_by_setting(plan)
     out = []
@@ -216,7 +257,8 @@ def bench_rows(bench: dict[str, Any] | None, plan: dict[str, Any] | None) -> lis
                        + [gib(p.get("device_peak_bytes")), gib(p.get("host_peak_bytes"))])
             continue
         t = r["sec_per_update"]
-        out.append([r["setting"], "ok", f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}",
+        bad = _first_nonfinite(r)
+        out.append([r["setting"], "ok" if bad is None else f"ok, loss NaN from update {bad + 1}", f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}",
                     gib(r.get("peak_allocated")), gib(r.get("peak_reserved")), gib(r.get("peak_rss")),
                     f"{(r.get('h2d_bytes_per_update') or 0) / MiB:.1f}",
                     "—" if r.get("setup_seconds") is None else f"{r['setup_seconds']:.1f}",

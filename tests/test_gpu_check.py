@@ -15,6 +15,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from imglora.commands.bench_agreement import loss_agreement
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 GiB = 2**30
@@ -186,9 +188,10 @@ def test_probe_cuda_code_runs_against_a_cpu_stand_in(probe_mod, monkeypatch, tup
     monkeypatch.setattr(probe_mod, "OVERLAP_COPIES", 2)
     monkeypatch.setattr(probe_mod, "FP8_SHAPE", (64, 32, 48))
     monkeypatch.setattr(probe_mod, "MATMUL_ITERS", 2)
+    monkeypatch.setattr(probe_mod, "ATTN_SHAPE", (1, 2, 64, 16))
     fake = _fake_torch(tuple_result)
     r = probe_mod.probe(fake, 2**20, 2)
-    for section in ("environment", "bandwidth", "overlap", "fp8"):
+    for section in ("environment", "bandwidth", "overlap", "fp8", "attention"):
         assert "error" not in r[section], (section, r[section])
     assert r["environment"]["gpu"] == "Fake GPU" and r["environment"]["compute_capability"] == "9.0"
     assert set(r["bandwidth"]) >= {"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"}
@@ -197,8 +200,17 @@ def test_probe_cuda_code_runs_against_a_cpu_stand_in(probe_mod, monkeypatch, tup
     f = r["fp8"]
     assert f["fp8_tensor_cores"] and f["scaled_mm"]["tflops"] > 0 and f["scaled_mm_fast_accum"]["tflops"] > 0
     assert f["scaled_mm"]["max_rel_error_vs_bf16_of_fp8_inputs"] < 0.02 and f["speedup_vs_bf16"] > 0
+    a = r["attention"]
+    assert a["shape"] == [1, 2, 64, 16] and "flash" in a["default_order"]
+    for name in ("flash", "math_bf16"):  # the CPU has these two; bf16 against the float32 reference
+        assert a[name]["finite"] and 0 < a[name]["max_rel_error"] < 0.05, (name, a[name])
+        assert set(a[name]["errors"]) == {"out", "grad_q", "grad_k", "grad_v"} and a[name]["ms_forward_backward"] > 0
+    assert "error" in a["cudnn"]  # no cuDNN attention on the CPU: recorded, the others still measured
     text = probe_mod.summary(r)
     assert "Fake GPU" in text and "torch._scaled_mm fp8" in text
+    assert "attention 1x2x64x16 (bf16, forward + backward, against math kernel, float32)" in text
+    assert any(line.strip().startswith("flash") and "finite, largest relative error" in line
+               for line in text.splitlines())
     json.dumps(r)  # the JSON the check writes
 
 
@@ -211,7 +223,7 @@ def _result(setting: str, spu: float, peak: int | None, status: str = "ok", devi
     return {"setting": setting, "status": "ok", "device": device,
             "sec_per_update": {"median": spu, "mean": spu, "p10": spu, "p90": spu, "n": 8, "warmup": 3},
             "peak_allocated": peak, "peak_reserved": peak, "peak_rss": 20 * GiB, "h2d_bytes_per_update": 2**30,
-            "setup_seconds": 30.0}
+            "setup_seconds": 30.0, "losses": [0.5, 0.4375, 0.625, 0.5]}
 
 
 def _write_inputs(folder: Path, results: list[dict], *, plan: bool = True, pytest_rc: int = 0,
@@ -221,7 +233,8 @@ def _write_inputs(folder: Path, results: list[dict], *, plan: bool = True, pytes
     bench.mkdir()
     (bench / "bench.json").write_text(json.dumps({
         "preset": "presets/flux.toml", "arch": "full", "resolution": 1024, "steps": 8, "warmup": 3,
-        "results": results, "environment": {"device_name": "NVIDIA H200", "torch": "2.13.0"}}))
+        "results": results, "loss_agreement": loss_agreement(results),
+        "environment": {"device_name": "NVIDIA H200", "torch": "2.13.0"}}))
     (folder / "probe.json").write_text(json.dumps(_probe_result() if cuda else {"cuda": False}))
     if plan:
         (folder / "plan.json").write_text(json.dumps({"settings": [
@@ -255,7 +268,7 @@ def test_summary_all_targets_pass_with_the_plan_next_to_the_peaks(summary_mod, t
     folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.52, 8 * GiB)])
     rc, text, md, v = _run(summary_mod, folder)
     assert rc == 0 and "ALL TARGETS PASS" in text
-    assert v == {"peak": "PASS", "speed": "PASS", "ratio": "PASS", "tests": "PASS"}
+    assert v == {"peak": "PASS", "speed": "PASS", "ratio": "PASS", "losses": "PASS", "tests": "PASS"}
     assert "8.00 GiB (measured / plan 1.00)" in text and "plan predicts 8.00 GiB" in text
     assert "| fp8 + 18 swapped blocks: peak allocated < 10 GiB | 8.00 GiB (measured / plan 1.00) | 8.00 GiB | PASS |" in md
     assert "| fp8:18 | ok | 0.520 |" in md and "| 8.00 | 9.00 |" in md  # plan device / host peaks per setting
@@ -299,8 +312,25 @@ def test_summary_fails_each_target_it_misses(summary_mod, tmp_path) -> None:
                            pytest_rc=1, failures=2)
     rc, text, md, v = _run(summary_mod, folder)
     assert rc == 1 and "4 FAIL" in text
-    assert v == {"peak": "FAIL", "speed": "FAIL", "ratio": "FAIL", "tests": "FAIL"}
+    assert v == {"peak": "FAIL", "speed": "FAIL", "ratio": "FAIL", "losses": "PASS", "tests": "FAIL"}
     assert "1.400 (0.700 / 0.500 s)" in text and "2 failed" in text
+
+
+def test_summary_fails_losses_that_are_not_finite_or_differ(summary_mod, tmp_path) -> None:
+    # As on the first H200 run: the first update's loss finite, NaN from the second on.
+    nan = _result("fp8:18", 0.52, 8 * GiB)
+    nan["losses"] = [3.382047, float("nan"), float("nan"), float("nan")]
+    folder = _write_inputs(tmp_path / "n", [_result("fp8:0", 0.50, 14 * GiB), nan])
+    rc, text, md, v = _run(summary_mod, folder)
+    assert rc == 1 and v["losses"] == "FAIL" and v["speed"] == "PASS"  # the timing is there; it measures nothing
+    assert "fp8:18: loss nan at update 2 of 4" in text
+    assert "| fp8:18 | ok, loss NaN from update 2 | 0.520 |" in md
+    # finite but another computation: the same weights and seeds must give the same losses
+    off = _result("fp8:18", 0.52, 8 * GiB)
+    off["losses"] = [0.5, 0.4375, 0.7, 0.5]
+    folder = _write_inputs(tmp_path / "d", [_result("fp8:0", 0.50, 14 * GiB), off])
+    rc, text, _, v = _run(summary_mod, folder)
+    assert rc == 1 and v["losses"] == "FAIL" and "DIFFER" in text and "largest relative difference 1.20e-01" in text
 
 
 def test_summary_a_setting_that_ran_out_of_memory(summary_mod, tmp_path) -> None:
@@ -341,7 +371,7 @@ def test_summary_dry_run_measures_nothing(summary_mod, tmp_path) -> None:
     rc, text, md, v = _run(summary_mod, folder, "--dry-run", "--swapped", "fp8:4")
     assert rc == 0 and "DRY RUN" in text and "PASS" not in text and "FAIL" not in text
     assert set(v.values()) == {"not measured (no GPU)"}
-    assert md.count("| not measured (no GPU) |") == 4 and "fp8:4 stands in for fp8:18" in md
+    assert md.count("| not measured (no GPU) |") == 5 and "fp8:4 stands in for fp8:18" in md
 
 
 def test_summary_main_writes_markdown_and_needs_no_inputs(summary_mod, tmp_path, capsys) -> None:
@@ -378,14 +408,16 @@ def test_dry_run_runs_every_step_and_names_each_target(tmp_path) -> None:
                    "fp8 + 18 swapped blocks: seconds per update <= 0.6 s",
                    "fp8:18 / fp8:0 seconds per update <= 1.05", "GPU tests (pytest -m gpu) pass"):
         assert target in md
-    assert "DRY RUN" in md and md.count("| not measured (no GPU) |") == 4 and "| PASS |" not in md
+    assert "DRY RUN" in md and md.count("| not measured (no GPU) |") == 5 and "| PASS |" not in md
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     status = {s[0]: s[1] for s in steps}
     assert status["env"] == status["probe"] == status["pytest"] == status["bench"] == "ok"
     assert status["plan"] in ("ok", "skipped")
+    assert status["diagnose"] == "skipped"  # every setting finished with finite losses
+    assert "the bench found nothing to diagnose" in (out / "steps.tsv").read_text()
     assert json.loads((out / "probe.json").read_text())["cuda"] is False
     bench = json.loads((out / "bench-flux" / "bench.json").read_text())
-    assert [x["setting"] for x in bench["results"]] == ["fp8:4", "fp8:0"]  # the swapped one first
+    assert [x["setting"] for x in bench["results"]] == ["fp8:4", "fp8:0", "fp8c:4"]  # the swapped one first
     assert all(x["status"] == "ok" for x in bench["results"])
     assert "no CUDA device: probe skipped" in (out / "check.log").read_text()
 
@@ -405,7 +437,8 @@ def test_dry_run_on_the_cuda_standin_takes_the_cuda_paths(tmp_path) -> None:
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     status = {s.split("\t")[0]: s.split("\t")[1] for s in (out / "steps.tsv").read_text().splitlines()}
-    assert status == {"env": "ok", "bench": "ok", "pytest": "skipped", "probe": "skipped", "plan": "ok"}
+    assert status == {"env": "ok", "bench": "ok", "pytest": "skipped", "probe": "skipped", "diagnose": "skipped",
+                      "plan": "ok"}
     seen = [json.loads(f.read_text()) for f in reports.glob("*.json")]
     assert seen and all(s["violations"] == [] for s in seen)
     workers = {Path(s["argv"][1]).parent.name: s for s in seen if s["argv"][0].endswith("bench.py")}
@@ -431,7 +464,8 @@ def test_a_missing_library_skips_the_steps_that_need_it(tmp_path) -> None:
     assert r.returncode == 0, r.stdout[-4000:]
     assert "MISSING (could not install): imglora_test_no_such_module" in r.stdout
     status = {s.split("\t")[0]: s.split("\t")[1] for s in (out / "steps.tsv").read_text().splitlines()}
-    assert status == {"env": "ok", "probe": "ok", "pytest": "skipped", "bench": "skipped", "plan": "skipped"}
+    assert status == {"env": "ok", "probe": "ok", "pytest": "skipped", "bench": "skipped", "diagnose": "skipped",
+                      "plan": "skipped"}
     assert "not run: needs pytest" in (out / "summary.md").read_text()
 
 
@@ -441,3 +475,25 @@ def test_shellcheck_finds_nothing_if_installed() -> None:
         pytest.skip("shellcheck is not installed")
     r = subprocess.run([exe, str(BENCH / "gpu_check.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.slow
+def test_a_bench_that_trained_nan_is_diagnosed_with_launch_blocking_and_anomaly_detection(tmp_path) -> None:
+    """As after the first H200 run's bench (NaN from the second update): the diagnose step runs one
+    update of the swapped setting again with CUDA_LAUNCH_BLOCKING=1 and --detect-anomaly (here on
+    the CPU, where the tiny model trains finite losses, so the step passes)."""
+    out = tmp_path / "check"
+    (out / "bench-flux").mkdir(parents=True)
+    nan = {"setting": "fp8:4", "status": "ok", "losses": [3.38, float("nan")]}
+    (out / "bench-flux" / "bench.json").write_text(json.dumps({"results": [nan]}))
+    env = dict(_script_env(), GPU_CHECK_STEPS="diagnose")
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    log = (out / "check.log").read_text()
+    status = {s.split("\t")[0]: s.split("\t")[1:] for s in (out / "steps.tsv").read_text().splitlines()}
+    assert status["diagnose"][0] == "ok", log[-4000:]
+    assert "CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection" in status["diagnose"][3]
+    assert "--detect-anomaly" in log and "--blocks fp8:4" in log
+    diag = json.loads((out / "diagnose" / "bench.json").read_text())
+    assert [x["setting"] for x in diag["results"]] == ["fp8:4"] and diag["results"][0]["status"] == "ok"
+    assert r.returncode in (0, 1)  # the summary of a dry run without bench, pytest or probe steps

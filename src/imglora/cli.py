@@ -202,8 +202,11 @@ SIZE = _Size()
               help="Seconds allowed per setting.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run each setting data-parallel on this many processes (GPUs): seconds per update at N vs 1.")
+@click.option("--detect-anomaly", is_flag=True, help="Find where NaN or infinite values first appear: every "
+              "backward under torch.autograd.detect_anomaly (slow; a setting stops at the first such value, "
+              "naming the operation and, in its worker.log, the forward line that made it).")
 def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vram_budget, arch, out_dir, timeout,
-                   gpus):
+                   gpus, detect_anomaly):
     """Measure seconds per update and peak memory for several swap settings; name the fastest that fits."""
     from .commands import bench
     from .progress import stamped
@@ -212,7 +215,7 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
     settings = bench.parse_settings(blocks, cfg.memory.fp8 if fp8 is None else fp8)
     bench.bench_swap(preset, overrides, settings, steps=steps, warmup=warmup, resolution=resolution,
                      vram_budget=bench.parse_size(vram_budget), arch=arch, out_dir=Path(out_dir) if out_dir else None,
-                     timeout=timeout, out=stamped(click.echo), gpus=gpus)
+                     timeout=timeout, out=stamped(click.echo), gpus=gpus, detect_anomaly=detect_anomaly)
 
 
 @main.command("plan", short_help="Predict peak GPU memory, host RAM and seconds per update per setting.")

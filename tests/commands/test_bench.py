@@ -307,3 +307,87 @@ def test_the_fused_fp8_path_is_a_setting_held_to_fp8_storage_s_losses() -> None:
     wrong = {**f, "setting": "fp8f:4", "losses": [x * 1.01 for x in f["losses"]]}
     (bad,) = bench.loss_agreement([{**a, "setting": "fp8:4"}, wrong])
     assert not bad["agree"] and "DIFFER: the fused dequantizing path computes differently" in bad["text"]
+
+
+# As the first H200 run left them: the C++ frames an abort prints after the Python traceback, and
+# nothing in the log said which update or stage the worker was in.
+H200_LOG = """bench-worker: load
+bench-worker: memory setup
+bench-worker: update 1: forward
+bench-worker: update 1: backward
+Traceback (most recent call last):
+  File "/work/main/src/imglora/loop.py", line 212, in step
+    s.accelerator.backward(loss)
+RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, opa, opb, m, n, k)`
+terminate called after throwing an instance of 'c10::AcceleratorError'
+  what():  CUDA error: an illegal memory access was encountered
+Exception raised from insert_events at /pytorch/c10/cuda/CUDACachingAllocator.cpp:3726 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f into libc10.so)
+frame #20: Py_RunMain + 0x281 (0x6bcba1 in /opt/torch/.venv/bin/python3)
+"""
+
+
+def test_a_worker_that_dies_is_reported_with_its_stage_and_its_error_not_the_frames() -> None:
+    assert bench.last_trace(H200_LOG) == "update 1: backward"
+    assert bench.last_trace("Traceback ...\nKilled\n") == "unknown"
+    lines = H200_LOG.splitlines()
+    error = bench._error_lines(lines)
+    assert error.splitlines()[0].startswith("RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
+    assert "terminate called after throwing" in error and "frame #" not in error
+    assert bench._error_lines(["a", "b", "c", "d", "e", "f"]) == "b\nc\nd\ne\nf"  # no exception line: the tail
+
+
+def test_the_worker_traces_its_stages_on_stderr(capfd) -> None:
+    r = bench.run_setting({"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precision": "fp8",
+                           "blocks": 0, "steps": 1, "warmup": 0, "resolution": 64, "arch": "preset"})
+    assert r["status"] == "ok" and r["first_nonfinite_update"] is None
+    assert len(r["grad_norms"]) == 1 and math.isfinite(r["grad_norms"][0]) and r["grad_norms"][0] > 0
+    err = capfd.readouterr().err
+    marks = [line for line in err.splitlines() if line.startswith(bench.TRACE)]
+    assert marks[:4] == ["bench-worker: load", "bench-worker: memory setup", "bench-worker: update 1: forward",
+                         "bench-worker: update 1: backward"]
+    assert "bench-worker: profiled update: optimizer" in marks
+
+
+def _nan_from_update(n: int, monkeypatch) -> None:
+    """The loss's backward gives NaN gradients from update ``n`` on (a broken kernel, as it were)."""
+    from imglora import loop
+
+    real = loop.forward_loss
+    calls = [0]
+
+    def forward_loss(*a, **k):
+        calls[0] += 1
+        loss = real(*a, **k)
+        if calls[0] >= n:  # sqrt's gradient at 0 is infinite; times 0 it is NaN
+            loss = loss + 0 * torch.sqrt(loss - loss)
+        return loss
+
+    monkeypatch.setattr(loop, "forward_loss", forward_loss)
+
+
+SPEC = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precision": "fp8", "blocks": 0,
+        "steps": 2, "warmup": 1, "resolution": 64, "arch": "preset", "setting": "fp8:0"}
+
+
+def test_losses_that_stop_being_finite_fail_the_bench(monkeypatch, tmp_path: Path) -> None:
+    _nan_from_update(1, monkeypatch)
+    r = bench.run_setting(SPEC)
+    # update 1's loss is finite; its gradients are NaN, so the weights are from then on
+    assert r["status"] == "ok" and math.isfinite(r["losses"][0]) and math.isnan(r["losses"][1])
+    assert r["first_nonfinite_update"] == 1 and math.isnan(r["grad_norms"][0])
+    assert "LOSS NOT FINITE from update 2" in bench._one_line(r)
+    assert bench._row({**r, "setting": "fp8:0"})[1] == "NaN from 2"
+    monkeypatch.setattr(bench, "_run_worker", lambda spec, folder, timeout: {**r, "setting": spec["setting"]})
+    with pytest.raises(ImgloraError, match=r"losses not finite in fp8:0 \(from update 2\): those settings trained "
+                                           r"nothing"):
+        bench.bench_swap(TINY_FLUX, (), bench.parse_settings("0", True), steps=2, warmup=1, resolution=64,
+                         vram_budget=None, arch="preset", out_dir=tmp_path / "b", out=lambda s: None)
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["results"][0]["first_nonfinite_update"] == 1
+
+
+def test_detect_anomaly_names_the_operation_that_made_the_nan(monkeypatch) -> None:
+    _nan_from_update(2, monkeypatch)
+    with pytest.raises(RuntimeError, match="Function 'SqrtBackward0' returned nan values"):
+        bench.run_setting({**SPEC, "detect_anomaly": True})
+    torch.autograd.set_detect_anomaly(False)

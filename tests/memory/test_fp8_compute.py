@@ -121,6 +121,25 @@ def test_supported_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch) -> None:
     assert supported(torch.device("cpu")) == (True, "")
 
 
+def test_supported_refuses_a_cpu_torch_without_row_wise_scales(monkeypatch) -> None:
+    # torch 2.11 (the GPU box's) on the CPU: "_scaled_mm only supports per-tensor scaling for CPU
+    # backend"; bench-swap's fp8c settings failed there inside the first forward.
+    from imglora.memory import fp8_compute
+
+    def per_tensor_only(a, b, *, scale_a, scale_b, **kw):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return torch.zeros(a.shape[0], b.shape[1])
+
+    fp8_compute._cpu_rowwise.cache_clear()
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    try:
+        ok, why = supported(torch.device("cpu"))
+        assert not ok and "one scale per tensor" in why and "torch 2.13" in why
+    finally:
+        fp8_compute._cpu_rowwise.cache_clear()
+
+
 def test_apply_memory_switches_the_layers_or_says_why_not(monkeypatch) -> None:
     """memory.fp8_compute through apply_memory, as the trainer installs it: on a GPU without fp8
     tensor cores the run says why and keeps dequantizing; where it runs, the fp8 layers switch."""

@@ -281,7 +281,7 @@ def run_equivalence(build, batches, loss_fn, blocks_of, ckpt, slots: int = 2, de
     assert after_frozen.keys() == before_frozen.keys()
     for k, v in before_frozen.items():
         assert torch.equal(after_frozen[k].cpu(), v.cpu()), k
-    assert all(not torch.equal(p.detach(), before_lora[n]) for n, p in model.named_parameters() if p.requires_grad)
+    assert all(not torch.equal(p.detach().cpu(), before_lora[n].cpu()) for n, p in model.named_parameters() if p.requires_grad)
     assert lora_ptrs == {n: p.data_ptr() for n, p in model.named_parameters() if p.requires_grad}
 
     # remove(): hooks gone, weights back on the device in their own storage, same function

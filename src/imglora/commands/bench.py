@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -95,7 +96,8 @@ def parse_size(text: str | None, option: str = "--vram-budget") -> int | None:
 
 def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting], *, steps: int, warmup: int,
                resolution: int | None, vram_budget: int | None, arch: str, out_dir: Path | None,
-               timeout: float = 3600, out: Callable[[str], None] = print, gpus: int = 1) -> dict[str, Any]:
+               timeout: float = 3600, out: Callable[[str], None] = print, gpus: int = 1,
+               detect_anomaly: bool = False) -> dict[str, Any]:
     from ..family import Swappable, supports
     from .common import family_of, load_config
 
@@ -111,7 +113,8 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
         out(f"[{i}/{len(settings)}] {s.name}: running in a fresh process ...")
         spec = {"preset": preset, "overrides": list(overrides), "precision": s.precision, "blocks": s.blocks,
                 "compile": s.compiled, "setting": s.name,
-                "steps": steps, "warmup": warmup, "resolution": resolution, "arch": arch, "processes": gpus}
+                "steps": steps, "warmup": warmup, "resolution": resolution, "arch": arch, "processes": gpus,
+                "detect_anomaly": detect_anomaly}
         results.append(_run_worker(spec, out_dir / f"setting-{i}", timeout))
         out("    " + _one_line(results[-1]))
     report = {"preset": preset, "overrides": list(overrides), "family": cfg.model.family, "arch": arch,
@@ -129,6 +132,11 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
     out(f"written: {out_dir / 'bench.json'}, bench.csv, bench.png")
     if not any(r.get("status") == "ok" for r in results):
         raise ImgloraError(f"no setting finished; each one's output is in its worker.log under {out_dir}")
+    broken = [f"{r['setting']} (from update {r['first_nonfinite_update'] + 1})" for r in results
+              if r.get("status") == "ok" and r.get("first_nonfinite_update") is not None]
+    if broken:
+        raise ImgloraError(f"losses not finite in {', '.join(broken)}: those settings trained nothing, so their "
+                           "timings do not measure training (bench.json: results[].losses)")
     differ = [a["text"] for a in report["loss_agreement"] if not a["agree"]]
     if differ:
         raise ImgloraError("settings of one precision trained different losses, so their timings compare different "
@@ -195,10 +203,28 @@ def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str,
     (folder / "worker.log").write_text(proc.stdout + proc.stderr)
     if result_path.exists():
         return {**base, **json.loads(result_path.read_text())}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
     # A process killed by the kernel's OOM killer leaves no result; say so rather than guess.
     status = "killed" if proc.returncode < 0 else "failed"
-    return {**base, "status": status, "stage": "unknown", "returncode": proc.returncode, "error": "\n".join(tail)}
+    return {**base, "status": status, "stage": last_trace(proc.stderr), "returncode": proc.returncode,
+            "error": _error_lines(lines)}
+
+
+def last_trace(log: str) -> str:
+    """Where a worker that left no result was: its last progress line (``bench-worker: ...``)."""
+    marks = [line[len(TRACE):].strip() for line in log.splitlines() if line.startswith(TRACE)]
+    return marks[-1] if marks else "unknown"
+
+
+def _error_lines(lines: list[str]) -> str:
+    """The lines that say what went wrong: the last exception's message (not the C++ frames an abort
+    prints after it), else the last five lines."""
+    msgs = [i for i, line in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*?:", line)
+            or line.startswith("terminate called")]
+    if msgs:
+        first = msgs[0]
+        return "\n".join(lines[first:first + 3] if len(msgs) == 1 else [lines[i] for i in msgs[:3]])
+    return "\n".join(lines[-5:])
 
 
 def best_setting(results: list[dict[str, Any]], vram_budget: int | None) -> dict[str, Any]:
@@ -231,7 +257,8 @@ def _row(r: dict[str, Any]) -> list[str]:
     if r.get("status") != "ok":
         return [r["setting"], f"{r['status']} ({r.get('stage', '?')})"] + [""] * (len(COLUMNS) - 2)
     t = r["sec_per_update"]
-    return [r["setting"], "ok", f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}", g(r["peak_allocated"]),
+    status = "ok" if r.get("first_nonfinite_update") is None else f"NaN from {r['first_nonfinite_update'] + 1}"
+    return [r["setting"], status, f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}", g(r["peak_allocated"]),
             g(r["peak_reserved"]), g(r["peak_rss"]), f"{r['h2d_bytes_per_update'] / 2**20:.2f}",
             f"{r['weight_bytes'] / 2**20:.1f}"]
 
@@ -296,11 +323,20 @@ def _one_line(r: dict[str, Any]) -> str:
     mem = (f"peak {r['peak_allocated'] / 2**30:.2f} GiB allocated" if r.get("peak_allocated") is not None
            else f"peak RSS {r['peak_rss'] / 2**30:.2f} GiB")
     compiled = f", first update {r['first_update_seconds']:.1f} s (compiling)" if r.get("compile_seconds") else ""
-    return f"{r['sec_per_update']['median']:.3f} s/update, {mem}{compiled}"
+    bad = r.get("first_nonfinite_update")
+    nan = f"; LOSS NOT FINITE from update {bad + 1} (nothing trained from there)" if bad is not None else ""
+    return f"{r['sec_per_update']['median']:.3f} s/update, {mem}{compiled}{nan}"
 
 
 # ----------------------------------------------------------------------------------------------
 # Worker: one setting, in its own process
+
+
+TRACE = "bench-worker: "  # the worker's progress lines on stderr (the stage of a worker that dies)
+
+
+def _trace(what: str) -> None:
+    print(TRACE + what, file=sys.stderr, flush=True)
 
 
 def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
@@ -329,6 +365,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     dtype = devices.weight_dtype(cfg, device)
     result: dict[str, Any] = {"device": device.type, "environment": record.environment()}
     stage = "load"
+    _trace(stage)
     t0 = time.perf_counter()
     try:
         accelerator = loop.accelerator_for(cfg)
@@ -343,6 +380,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             src = resolve_model(cfg.model, family)
             trainable = family.load_trainable(src, cfg, device, dtype)
         stage = "memory setup"
+        _trace(stage)
         # The swap count is the setting's, as kohya counts it (the preset's explicit counts do not apply).
         session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None,
                                      blocks_to_swap=spec["blocks"])
@@ -365,9 +403,13 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         times = []
         h2d = []
         losses = []  # per update: a fast but wrong path shows here (every setting trains the same math)
+        grad_norms: list[float | None] = []  # per update: a backward that broke shows here first
         loss_sum = torch.zeros((), device=device)
         accum = cfg.train.grad_accum
+        if spec.get("detect_anomaly"):  # each backward checked: the first NaN stops the setting, named
+            torch.autograd.set_detect_anomaly(True, check_nan=True)
         for step in range(spec["warmup"] + spec["steps"]):
+            session.on_stage = lambda st, step=step: _trace(f"update {step + 1}: {st}")
             devices.synchronize(device)
             before = memory.swapper.stats.h2d_bytes if memory.swapper else 0
             t = time.perf_counter()
@@ -377,13 +419,19 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
             h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)
             losses.append(float(loss_sum.item()))  # (after the timed window: .item() waits for the device)
+            grad_norms.append(float(session.grad_norm) if session.grad_norm is not None else None)
             loss_sum.zero_()
             if step == spec["warmup"] - 1 and memory.swapper:
                 stats0 = memory.swapper.stats  # the measured updates' copies and stalls start here
         stats1 = memory.swapper.stats if memory.swapper else None
         # One more update, not timed with the others, split into forward / backward / optimizer.
         profile = telemetry.StageTimer(device)
-        session.on_stage = profile.mark
+
+        def mark(st: str) -> None:
+            _trace(f"profiled update: {st}")
+            profile.mark(st)
+
+        session.on_stage = mark
         micro = (batches[m % len(batches)] for m in range(accum))
         loop.step(session, loop.simple_micros(micro, torch.Generator(device=device).manual_seed(10**6)), loss_sum)
         session.on_stage = None
@@ -394,11 +442,14 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         return {**result, "status": "error", "stage": stage or session.stage, "error": str(exc)}
     measured = times[spec["warmup"]:]
     mem = telemetry.memory(device)
+    nonfinite = [i for i, x in enumerate(losses) if not math.isfinite(x)]
     q = statistics.quantiles(measured, n=10) if len(measured) >= 2 else [measured[0]] * 9
     return {**result, "status": "ok", "stage": "done",
             "sec_per_update": {"median": statistics.median(measured), "mean": statistics.fmean(measured),
                                "p10": q[0], "p90": q[-1], "n": len(measured), "warmup": spec["warmup"]},
-            "all_update_seconds": times, "losses": losses,
+            "all_update_seconds": times, "losses": losses, "grad_norms": grad_norms,
+            # a loss that is NaN or infinite: nothing is trained from there on, whatever the timings say
+            "first_nonfinite_update": nonfinite[0] if nonfinite else None,
             # The first update compiles the blocks (memory.compile): its excess over the median is the compile time.
             "first_update_seconds": times[0], "compile_seconds": times[0] - statistics.median(measured)
             if memory.facts.get("compile") else None, "compile": memory.facts.get("compile"), "peak_allocated": mem["peak_allocated"],

@@ -26,6 +26,7 @@ here; whether it is faster than the dequantizing path is a GPU measurement (``im
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -43,12 +44,27 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_mm"
+    if device.type == "cpu" and not is_cuda(device) and not _cpu_rowwise():
+        return False, (f"torch {torch.__version__}'s CPU torch._scaled_mm takes one scale per tensor only "
+                       "(row-wise scales on the CPU need torch 2.13 or newer)")
     if is_cuda(device):  # (the CUDA rehearsal on the CPU stands for a Hopper card)
         major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
         if (major, minor) < (8, 9):
             return False, (f"this GPU (compute capability {major}.{minor}) has no fp8 tensor cores "
                            "(8.9 and newer: Ada, Hopper, Blackwell)")
     return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_rowwise() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (torch 2.11's asserts that it
+    does not: "Now _scaled_mm only supports per-tensor scaling for CPU backend")."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
