@@ -333,6 +333,23 @@ def doctor_cmd(preset: str | None, overrides: tuple[str, ...]) -> None:
         raise SystemExit(1)
 
 
+@main.command("fetch", short_help="Download exactly the model files a preset will read (size shown first).")
+@click.argument("preset")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (repeatable).")
+@click.option("--dry-run", is_flag=True, help="List the files and their total size; download nothing.")
+def fetch_cmd(preset: str, overrides: tuple[str, ...], dry_run: bool) -> None:
+    """Download the files PRESET's run will read, before renting time on them: for a hub id, the
+    components in its model_index.json (configs, tokenizers and .safetensors weights, no variants and
+    no root single files) or a transformers model's root files; for bare single-file names with
+    model.comfyui, each known file into its ComfyUI folder. The list and total size come first; files
+    already in the cache are kept; an interrupted download resumes; every file's size and sha256 are
+    checked against the hub's listing. A gated model gets its licence page and `hf auth login`.
+    `imglora train` itself never downloads."""
+    from .commands.fetch import fetch
+
+    fetch(preset, overrides, dry_run=dry_run, out=click.echo)
+
+
 def _register_split_commands() -> None:
     from .cli_eval import eval_cmd
     from .cli_merge import merge_cmd

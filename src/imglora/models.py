@@ -48,7 +48,7 @@ def resolve_model(model: ModelConfig | str, family: "Family") -> ModelSource:
             model = ModelConfig(family=family.name, path=model)
         return family.resolve_files(model, FileFinder(model))
     if looks_like_hub_id(path):
-        return ModelSource(_check_folder(_from_hf_cache(path), family, path))
+        return ModelSource(_check_folder(_from_hf_cache(path, family), family, path))
     raise ModelSourceError(f"model.path = {path!r}: no such folder or file, and it is not a hub id "
                            "(owner/name) either; check the path")
 
@@ -98,9 +98,11 @@ def hub_snapshot(repo_id: str) -> Path | None:
         return None
 
 
-def _from_hf_cache(repo_id: str) -> Path:
+def _from_hf_cache(repo_id: str, family: "Family") -> Path:
     from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
+
+    from .fetch import missing_model_hint
 
     try:
         folder = hub_snapshot(repo_id)
@@ -109,7 +111,7 @@ def _from_hf_cache(repo_id: str) -> Path:
     if folder is None:
         raise ModelSourceError(
             f"model.path = {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}). imglora "
-            f"never downloads during a run; fetch it first with `hf download {repo_id}` (gated models "
+            f"never downloads during a run; {missing_model_hint(repo_id, family)} (gated models "
             "also need `hf auth login` and the license accepted on the model page), "
             "or set model.path to a local folder or to the model's single .safetensors file.")
     return folder
