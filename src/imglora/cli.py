@@ -350,6 +350,33 @@ def fetch_cmd(preset: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     fetch(preset, overrides, dry_run=dry_run, out=click.echo)
 
 
+@main.command("caption", short_help="Write .txt captions for the images of a folder that have none.")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--model", default=None, help="A vision-language model (hub id or folder) with a chat template "
+              "[default: HuggingFaceTB/SmolVLM-256M-Instruct, small enough for a laptop CPU].")
+@click.option("--trigger", default="", help="Put this word first in every caption written.")
+@click.option("--style", type=click.Choice(["natural", "tags"]), default="natural", show_default=True,
+              help="natural: one or two sentences (FLUX, Qwen-Image); tags: comma-separated tags (SDXL finetunes).")
+@click.option("--overwrite", is_flag=True, help="Caption every image, replacing existing captions.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--prompt", default="", help="Ask the model this instead of the style's instruction.")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=0, help="0 = the style's (96 natural, 64 tags).")
+@click.option("--caption-ext", default=".txt", show_default=True)
+@click.option("--resolution", type=click.IntRange(min=64), default=1024, show_default=True,
+              help="Training resolution the scan's crop and upscale warnings are judged at.")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA if present), cpu or cuda.")
+def caption_cmd(folder, model, trigger, style, overwrite, batch_size, prompt, max_new_tokens, caption_ext, resolution,
+                device) -> None:
+    """Caption the images in FOLDER (and its <repeats>_<name> subfolders) that have no caption: one .txt
+    each, from a vision-language model through transformers, in batches, with progress; existing captions
+    are kept unless --overwrite. Afterwards the dataset scan's warnings for the folder are printed."""
+    from .caption import DEFAULT_MODEL, caption_folder
+
+    caption_folder(folder, model=model or DEFAULT_MODEL, trigger=trigger, style=style, overwrite=overwrite,
+                   batch_size=batch_size, prompt=prompt, max_new_tokens=max_new_tokens, caption_ext=caption_ext,
+                   resolution=resolution, device=device, out=click.echo)
+
+
 def _register_split_commands() -> None:
     from .cli_eval import eval_cmd
     from .cli_merge import merge_cmd
