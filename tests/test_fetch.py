@@ -324,3 +324,21 @@ def test_registry_families_all_have_a_selection() -> None:
         assert include and exclude
         if family.model_marker == "model_index.json":
             assert hubfetch.shipped_components(family), name
+
+
+def test_the_families_published_files_are_well_formed() -> None:
+    from imglora.comfyui import DEFAULT_FOLDERS
+
+    seen = 0
+    for name in registry.names():
+        for file, (repo, path, kind) in getattr(registry.get(name), "published_files", {}).items():
+            seen += 1
+            assert file.endswith(".safetensors") and Path(path).name == file, (name, file)
+            assert hubfetch.looks_like_repo(repo) and kind in DEFAULT_FOLDERS, (name, file)
+    assert seen >= 8
+    # the ComfyUI presets' names are all known to their family
+    from imglora.commands.common import family_of, load_config
+
+    cfg = load_config(PRESETS / "flux-comfyui.toml")
+    known = family_of(cfg).published_files
+    assert {cfg.model.path, cfg.model.vae, cfg.model.text_encoder, cfg.model.text_encoder_2} <= set(known)

@@ -356,7 +356,8 @@ def fetch_cmd(preset: str, overrides: tuple[str, ...], dry_run: bool) -> None:
               "[default: HuggingFaceTB/SmolVLM-256M-Instruct, small enough for a laptop CPU].")
 @click.option("--trigger", default="", help="Put this word first in every caption written.")
 @click.option("--style", type=click.Choice(["natural", "tags"]), default="natural", show_default=True,
-              help="natural: one or two sentences (FLUX, Qwen-Image); tags: comma-separated tags (SDXL finetunes).")
+              help="natural: one or two sentences (models with T5 or language-model text encoders); tags: comma-separated "
+              "tags (tag-trained finetunes).")
 @click.option("--overwrite", is_flag=True, help="Caption every image, replacing existing captions.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--prompt", default="", help="Ask the model this instead of the style's instruction.")

@@ -12,8 +12,9 @@ reads about 34. What a run reads is decided here by patterns (:func:`patterns`),
   pickles, Flax, ONNX, GGUF), not nested folders, not the root's single files;
 * a transformers model (``config.json``, the LLM family): the root's files of those kinds, nothing
   in sub-folders;
-* single files named in the preset (``model.comfyui`` with bare file names): each known name is
-  one file of one repository (:data:`KNOWN_FILES`), placed in the ComfyUI folder of its kind.
+* single files named in the preset (``model.comfyui`` with bare file names): each name the family
+  knows (its ``published_files``: name -> repository, path in it, ComfyUI folder kind) is one
+  file, placed in the ComfyUI folder of its kind.
 
 The repository's listing (sizes, and the sha256 of each LFS file) comes first: the total is
 printed before anything is downloaded, files already in the cache are counted as there, and after
@@ -50,27 +51,6 @@ OTHER_EXCLUDES = tuple(f"*.{x}" for x in ("bin", "msgpack", "onnx", "onnx_data",
     "LICENSE*", "NOTICE*", "USE_POLICY*", ".gitattributes")
 # The HTTP libraries huggingface_hub has used (httpx2 since 2.x): their errors are network errors.
 HTTP_MODULES = ("httpx", "httpx2", "requests", "urllib3")
-
-# Bare single-file names a preset gives with model.comfyui, and where each is published:
-# name -> (repository, path in it, ComfyUI folder kind). The names and places ComfyUI's own
-# examples and the model makers use.
-KNOWN_FILES: dict[str, tuple[str, str, str]] = {
-    "flux1-dev.safetensors": ("black-forest-labs/FLUX.1-dev", "flux1-dev.safetensors", "diffusion_models"),
-    "flux1-kontext-dev.safetensors": ("black-forest-labs/FLUX.1-Kontext-dev", "flux1-kontext-dev.safetensors",
-                                      "diffusion_models"),
-    "ae.safetensors": ("black-forest-labs/FLUX.1-dev", "ae.safetensors", "vae"),
-    "clip_l.safetensors": ("comfyanonymous/flux_text_encoders", "clip_l.safetensors", "text_encoders"),
-    "t5xxl_fp16.safetensors": ("comfyanonymous/flux_text_encoders", "t5xxl_fp16.safetensors", "text_encoders"),
-    "t5xxl_fp8_e4m3fn_scaled.safetensors": ("comfyanonymous/flux_text_encoders",
-                                            "t5xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders"),
-    "qwen_2.5_vl_7b_fp8_scaled.safetensors": ("Comfy-Org/Qwen-Image_ComfyUI",
-                                              "split_files/text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors",
-                                              "text_encoders"),
-    "qwen_image_vae.safetensors": ("Comfy-Org/Qwen-Image_ComfyUI", "split_files/vae/qwen_image_vae.safetensors", "vae"),
-    "sd_xl_base_1.0.safetensors": ("stabilityai/stable-diffusion-xl-base-1.0", "sd_xl_base_1.0.safetensors",
-                                   "checkpoints"),
-}
-
 
 @dataclass(frozen=True)
 class HubFile:
@@ -121,6 +101,11 @@ def components(model_index: dict[str, Any]) -> list[str]:
 
 def matches(path: str, include: list[str], exclude: list[str]) -> bool:
     return any(fnmatch.fnmatch(path, p) for p in include) and not any(fnmatch.fnmatch(path, p) for p in exclude)
+
+
+def looks_like_repo(repo: str) -> bool:
+    parts = repo.split("/")
+    return len(parts) == 2 and all(p and p.strip() == p for p in parts)
 
 
 def hf_download_command(repo: str, include: list[str], exclude: list[str]) -> str:
@@ -254,18 +239,20 @@ def _refuse_pickles(repo: str, listing: list[HubFile], chosen: list[HubFile], co
                                    "(.bin), which imglora never loads; use a repository with .safetensors weights")
 
 
-def plan_single_files(hub: Hub, names: dict[str, str], comfyui: Path) -> list[Download]:
-    """Downloads for bare single-file names (setting -> name) not yet in the ComfyUI folder."""
+def plan_single_files(hub: Hub, names: dict[str, str], comfyui: Path,
+                      known: dict[str, tuple[str, str, str]]) -> list[Download]:
+    """Downloads for bare single-file names (setting -> name) not yet in the ComfyUI folder;
+    ``known``: the family's ``published_files``."""
     from .comfyui import find_model_file, model_folders
 
     out: dict[str, Download] = {}
     for setting, name in names.items():
-        if name in KNOWN_FILES:
-            repo, path, kind = KNOWN_FILES[name]
+        if name in known:
+            repo, path, kind = known[name]
         else:
             raise ModelSourceError(f"{setting} = {name!r}: imglora does not know where this file is published; "
                                    f"download it yourself into {comfyui}/models/<kind>/ (known names: "
-                                   f"{', '.join(sorted(KNOWN_FILES))})")
+                                   f"{', '.join(sorted(known)) or 'none for this family'})")
         try:  # already in one of ComfyUI's folders of that kind (extra_model_paths.yaml included)
             find_model_file(comfyui, kind, name)
             continue

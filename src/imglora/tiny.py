@@ -134,14 +134,16 @@ def random_init(model: Any, dtype: Any, seed: int = 1) -> Any:
 
 
 def random_init_parts(model: Any, dtype: Any, device: Any, parts: "list[str]",
-                      on_part: "Callable[[str, Any], None] | None" = None, seed: int = 0) -> Any:
+                      on_part: "Callable[[str, Any], None] | None" = None, seed: int = 1) -> Any:
     """Materialise a meta-device model on ``device`` piece by piece, frozen, in ``dtype``.
 
     First everything outside ``parts`` (module names such as ``"transformer_blocks.3"``), then each
     part in order, handed to ``on_part(name, module)`` as soon as it is filled (to quantize it, or
     move it to the host when it will be swapped) before the next one is made: ``device`` then holds
     what ``on_part`` leaves there plus one part, never the whole model in ``dtype``. The values
-    follow :func:`random_init`'s rule, drawn from one generator on ``device`` seeded with ``seed``,
+    follow :func:`random_init`'s rule, drawn from one generator on ``device`` seeded with ``seed`` (not
+    0, as for random_init: bench-swap draws the first update's noise from a generator on the same
+    device seeded 0, which would repeat the first weights drawn),
     so a build is deterministic on a given kind of device (its values differ from random_init's).
     Parameters are made directly in ``dtype`` (random_init goes through float32 on the host).
     Base weights come out frozen (``requires_grad`` False), which quantization needs.

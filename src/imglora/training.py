@@ -68,8 +68,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
     # Trackers write from the main process only (one wandb run id, one TensorBoard folder).
-    accelerator = loop.accelerator_for(cfg, trackers.for_run(cfg, run_dir) if distributed.rank_from_env() == 0
-                                       else None)
+    accelerator = loop.accelerator_for(cfg, trackers.for_run(cfg, run_dir) if distributed.rank_from_env() == 0 else None)
     procs, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
     if resume_from is not None:
         resume.check_processes(resume_from, procs, command)
@@ -216,8 +215,10 @@ class _Run:
         self.stop_signal: str | None = None
         self.projection: economics.Projection | None = None
 
-    def note_non_finite(self, step: int) -> None:
-        self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(self.loss_sum), step, self.first_bad)
+    def note_non_finite(self, step: int) -> None:  # loss or gradients: NaN gradients are in the weights now
+        norm = self.s.grad_norm if self.s.grad_norm is not None else self.loss_sum
+        bad = ~torch.isfinite(self.loss_sum) | ~torch.isfinite(norm)
+        self.first_bad = torch.where((self.first_bad < 0) & bad, step, self.first_bad)
 
     def agree(self, stop: "_StopFlag") -> int:
         """Several processes: share what any of them saw -- the first non-finite update, a signal,
@@ -358,7 +359,7 @@ class _Run:
             kept = (f"the last good checkpoint (update {self.last_good_ckpt}) is kept in {self.run_dir / 'checkpoints'}"
                     if self.last_good_ckpt else "no checkpoint had been written yet")
             raise NonFiniteLoss(
-                f"the loss became NaN or infinite at update {bad}; stopping before anything is saved. Likely causes: "
+                f"the loss or its gradients became NaN or infinite at update {bad}; not saved. Likely causes: "
                 "learning rate too high (try half), fp16 overflow (use bf16), a corrupt cache entry "
                 f"(`imglora cache-latents --verify`), or min_snr/noise settings out of range. {kept}.")
 

@@ -331,10 +331,10 @@ def test_a_worker_that_dies_is_reported_with_its_stage_and_its_error_not_the_fra
     assert bench.last_trace(H200_LOG) == "update 1: backward"
     assert bench.last_trace("Traceback ...\nKilled\n") == "unknown"
     lines = H200_LOG.splitlines()
-    error = bench._error_lines(lines)
+    error = bench.error_lines(lines)
     assert error.splitlines()[0].startswith("RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
     assert "terminate called after throwing" in error and "frame #" not in error
-    assert bench._error_lines(["a", "b", "c", "d", "e", "f"]) == "b\nc\nd\ne\nf"  # no exception line: the tail
+    assert bench.error_lines(["a", "b", "c", "d", "e", "f"]) == "b\nc\nd\ne\nf"  # no exception line: the tail
 
 
 def test_the_worker_traces_its_stages_on_stderr(capfd) -> None:

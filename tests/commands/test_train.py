@@ -178,6 +178,33 @@ def test_forced_nan_stops_names_step_and_keeps_checkpoint(small, monkeypatch) ->
     assert not (cfg.run_dir / "adapter").exists()
 
 
+def test_nan_gradients_under_a_finite_loss_stop_before_that_update_is_saved(small, monkeypatch) -> None:
+    """As on the first H200 run: update 4's loss is finite but its gradients are NaN, so the optimizer
+    step fills the adapter with NaN. Update 4 is a checkpoint update; it must not be saved (nor may
+    the rotation drop a good checkpoint for it)."""
+    from imglora.families import sdxl
+
+    real = sdxl.model.SdxlTrainable.loss
+    calls = {"n": 0}
+
+    def nan_gradients(self, batch, gen):
+        calls["n"] += 1
+        loss = real(self, batch, gen)
+        return loss + 0 * torch.sqrt(loss - loss) if calls["n"] == 4 else loss  # d sqrt(x)/dx at 0: inf; x 0: NaN
+
+    monkeypatch.setattr(sdxl.model.SdxlTrainable, "loss", nan_gradients)
+    cfg = load_cfg(small)
+    with pytest.raises(NonFiniteLoss) as exc:
+        train(cfg, out=quiet)
+    msg = str(exc.value)
+    assert "the loss or its gradients became NaN or infinite at update 4" in msg
+    assert "last good checkpoint (update 2)" in msg
+    ckpts = checkpoint.list_checkpoints(cfg.run_dir)
+    assert [s for s, _ in ckpts] == [2]
+    weights = load_file(str(ckpts[-1][1] / "adapter" / ADAPTER_FILE))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
 def test_resume_refuses_changed_training_settings(small) -> None:
     cfg = load_cfg(small, "train.max_steps=2")
     train(cfg, out=quiet)

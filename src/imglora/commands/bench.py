@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import re
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import atomic
 from ..errors import ImgloraError
+from .bench_trace import TRACE, error_lines, last_trace, trace  # noqa: F401 (re-exported)
 from .bench_agreement import (COMPILED, FP8_COMPUTE_RTOL, FP8_SETTINGS, LOSS_RTOL,  # noqa: F401 (re-exported)
                               loss_agreement)
 
@@ -207,24 +207,7 @@ def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str,
     # A process killed by the kernel's OOM killer leaves no result; say so rather than guess.
     status = "killed" if proc.returncode < 0 else "failed"
     return {**base, "status": status, "stage": last_trace(proc.stderr), "returncode": proc.returncode,
-            "error": _error_lines(lines)}
-
-
-def last_trace(log: str) -> str:
-    """Where a worker that left no result was: its last progress line (``bench-worker: ...``)."""
-    marks = [line[len(TRACE):].strip() for line in log.splitlines() if line.startswith(TRACE)]
-    return marks[-1] if marks else "unknown"
-
-
-def _error_lines(lines: list[str]) -> str:
-    """The lines that say what went wrong: the last exception's message (not the C++ frames an abort
-    prints after it), else the last five lines."""
-    msgs = [i for i, line in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*?:", line)
-            or line.startswith("terminate called")]
-    if msgs:
-        first = msgs[0]
-        return "\n".join(lines[first:first + 3] if len(msgs) == 1 else [lines[i] for i in msgs[:3]])
-    return "\n".join(lines[-5:])
+            "error": error_lines(lines)}
 
 
 def best_setting(results: list[dict[str, Any]], vram_budget: int | None) -> dict[str, Any]:
@@ -332,13 +315,6 @@ def _one_line(r: dict[str, Any]) -> str:
 # Worker: one setting, in its own process
 
 
-TRACE = "bench-worker: "  # the worker's progress lines on stderr (the stage of a worker that dies)
-
-
-def _trace(what: str) -> None:
-    print(TRACE + what, file=sys.stderr, flush=True)
-
-
 def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -365,7 +341,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     dtype = devices.weight_dtype(cfg, device)
     result: dict[str, Any] = {"device": device.type, "environment": record.environment()}
     stage = "load"
-    _trace(stage)
+    trace(stage)
     t0 = time.perf_counter()
     try:
         accelerator = loop.accelerator_for(cfg)
@@ -380,7 +356,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             src = resolve_model(cfg.model, family)
             trainable = family.load_trainable(src, cfg, device, dtype)
         stage = "memory setup"
-        _trace(stage)
+        trace(stage)
         # The swap count is the setting's, as kohya counts it (the preset's explicit counts do not apply).
         session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None,
                                      blocks_to_swap=spec["blocks"])
@@ -409,7 +385,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("detect_anomaly"):  # each backward checked: the first NaN stops the setting, named
             torch.autograd.set_detect_anomaly(True, check_nan=True)
         for step in range(spec["warmup"] + spec["steps"]):
-            session.on_stage = lambda st, step=step: _trace(f"update {step + 1}: {st}")
+            session.on_stage = lambda st, step=step: trace(f"update {step + 1}: {st}")
             devices.synchronize(device)
             before = memory.swapper.stats.h2d_bytes if memory.swapper else 0
             t = time.perf_counter()
@@ -428,7 +404,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         profile = telemetry.StageTimer(device)
 
         def mark(st: str) -> None:
-            _trace(f"profiled update: {st}")
+            trace(f"profiled update: {st}")
             profile.mark(st)
 
         session.on_stage = mark

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .. import fetch as hubfetch
 from ..errors import ModelSourceError
@@ -30,7 +30,7 @@ def fetch(preset: str, overrides: tuple[str, ...], *, dry_run: bool = False, hub
         return []
     single = local.is_file() or local.suffix.lower() in WEIGHT_FILE_SUFFIXES
     if single:
-        downloads = _single_files(hub, cfg)
+        downloads = _single_files(hub, cfg, getattr(family, "published_files", {}))
     elif looks_like_hub_id(path):
         downloads = [hubfetch.plan_repo(hub, path, family)]
     else:
@@ -52,7 +52,7 @@ def fetch(preset: str, overrides: tuple[str, ...], *, dry_run: bool = False, hub
     return downloads
 
 
-def _single_files(hub: hubfetch.Hub, cfg) -> list[hubfetch.Download]:
+def _single_files(hub: hubfetch.Hub, cfg: Any, known: dict[str, tuple[str, str, str]]) -> list[hubfetch.Download]:
     m = cfg.model
     names = {}
     for key in FILE_SETTINGS:
@@ -66,4 +66,4 @@ def _single_files(hub: hubfetch.Hub, cfg) -> list[hubfetch.Download]:
         names[f"model.{key}"] = value
     if not names:
         return []
-    return hubfetch.plan_single_files(hub, names, Path(m.comfyui).expanduser())
+    return hubfetch.plan_single_files(hub, names, Path(m.comfyui).expanduser(), known)

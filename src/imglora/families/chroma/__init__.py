@@ -32,6 +32,8 @@ class ChromaFamily:
     name = "chroma"
     section = ChromaConfig
     model_marker = "model_index.json"
+    # imglora fetch: Chroma's single files share FLUX.1's VAE and T5 (repository, path, ComfyUI kind)
+    published_files = {k: v for k, v in FluxFamily.published_files.items() if k.startswith(("ae.", "t5xxl"))}
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 16

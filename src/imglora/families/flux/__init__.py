@@ -26,6 +26,16 @@ class FluxFamily:
     name = "flux"
     section = FluxConfig
     model_marker = "model_index.json"
+    # imglora fetch: the bare single-file names this family's ComfyUI presets use, and where each is
+    # published (repository, path in it, ComfyUI folder kind), as ComfyUI's examples download them
+    published_files = {
+        "flux1-dev.safetensors": ("black-forest-labs/FLUX.1-dev", "flux1-dev.safetensors", "diffusion_models"),
+        "ae.safetensors": ("black-forest-labs/FLUX.1-dev", "ae.safetensors", "vae"),
+        "clip_l.safetensors": ("comfyanonymous/flux_text_encoders", "clip_l.safetensors", "text_encoders"),
+        "t5xxl_fp16.safetensors": ("comfyanonymous/flux_text_encoders", "t5xxl_fp16.safetensors", "text_encoders"),
+        "t5xxl_fp8_e4m3fn_scaled.safetensors": ("comfyanonymous/flux_text_encoders",
+                                                "t5xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders"),
+    }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 16

@@ -35,6 +35,8 @@ class FluxKontextFamily(FluxFamily):
     pipeline = "FluxKontextPipeline"
     trainable = model.KontextTrainable
     control_images = 1  # EditPairs: one source image per target, as FluxKontextPipeline takes
+    published_files = {**FluxFamily.published_files, "flux1-kontext-dev.safetensors": (
+        "black-forest-labs/FLUX.1-Kontext-dev", "flux1-kontext-dev.safetensors", "diffusion_models")}
 
     def build_tiny(self, dest: Path, seed: int) -> None:
         flux_tiny.build(dest, seed, pipeline=self.pipeline)

@@ -31,6 +31,14 @@ class QwenImageFamily:
     name = "qwen_image"
     section = QwenImageConfig
     model_marker = "model_index.json"
+    # imglora fetch: bare single-file names and where they are published (repository, path, ComfyUI kind)
+    published_files = {
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors": (
+            "Comfy-Org/Qwen-Image_ComfyUI", "split_files/text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors",
+            "text_encoders"),
+        "qwen_image_vae.safetensors": ("Comfy-Org/Qwen-Image_ComfyUI", "split_files/vae/qwen_image_vae.safetensors",
+                                       "vae"),
+    }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 16  # the VAE's 8× and the transformer's 2×2 patches

@@ -26,6 +26,9 @@ class SdxlFamily:
     name = "sdxl"
     section = SdxlConfig
     model_marker = "model_index.json"
+    # imglora fetch: bare single-file names and where they are published (repository, path, ComfyUI kind)
+    published_files = {"sd_xl_base_1.0.safetensors": ("stabilityai/stable-diffusion-xl-base-1.0",
+                                                      "sd_xl_base_1.0.safetensors", "checkpoints")}
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 64
