@@ -378,6 +378,27 @@ def caption_cmd(folder, model, trigger, style, overwrite, batch_size, prompt, ma
                    resolution=resolution, device=device, out=click.echo)
 
 
+@main.command("ui", short_help="A web page to prepare, launch, watch, stop, evaluate and export runs.")
+@click.option("--root", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="The folder whose run folders (DIR/<run> and DIR/runs/<run>) and datasets the page shows.")
+@click.option("--presets", default=None, type=click.Path(file_okay=False),
+              help="Folder of presets the New run page offers [default: ROOT/presets].")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Anything but localhost needs --token.")
+@click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--token", default=None, help="Required of every request (Authorization: Bearer, or ?token= once).")
+def ui_cmd(root: str, presets: str | None, host: str, port: int, token: str | None) -> None:
+    """Serve the web UI over the run folders under ROOT: runs with their live loss curve, state, cost and
+    Stop/Resume; a new run from a preset with every key's meaning, checked as `imglora config` checks it,
+    planned, and started as `imglora train`; the dataset's images with editable captions and the scan's
+    warnings; evaluation and export; doctor and fetch. Binds 127.0.0.1 unless told otherwise (then with a
+    token); over SSH: ssh -L 7860:127.0.0.1:7860 BOX, then open http://127.0.0.1:7860/."""
+    try:
+        from .ui.server import serve
+    except ImportError as exc:  # fastapi or uvicorn missing
+        raise ImgloraError(f"the UI needs FastAPI and uvicorn ({exc}): pip install 'imglora[ui]'") from None
+    serve(root, host=host, port=port, token=token, presets=presets or str(Path(root) / "presets"))
+
+
 def _register_split_commands() -> None:
     from .cli_eval import eval_cmd
     from .cli_merge import merge_cmd

@@ -1,0 +1,162 @@
+"""What the web UI shows of a run folder: read from the files ``imglora train`` writes, never kept elsewhere.
+
+A run's state: ``running`` while a live process holds its lock (``.imglora.lock``), else from its
+newest train record: ``finished`` (status ok), ``interrupted`` (resumable: a checkpoint is there),
+``failed`` (with the stage the record names); a folder with neither is ``unknown``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import record, runlock
+from ..checkpoint import list_checkpoints
+
+UI_LOG = "ui-train.log"  # the stdout and stderr of a run the UI started
+
+
+def is_run_dir(folder: Path) -> bool:
+    return folder.is_dir() and ((folder / "log.jsonl").is_file() or (folder / "records").is_dir()
+                                or (folder / runlock.LOCK_NAME).is_file() or (folder / UI_LOG).is_file())
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run folders under ``root`` (two levels: ``root/<name>`` and ``root/runs/<name>``)."""
+    out = []
+    for base in (root, root / "runs"):
+        if base.is_dir():
+            out += [p for p in sorted(base.iterdir()) if is_run_dir(p) and not p.is_symlink()]
+    return out
+
+
+def lock_info(run: Path) -> dict[str, Any] | None:
+    """The lock's owner while it lives (pid, host, command), else None."""
+    path = run / runlock.LOCK_NAME
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return None
+    return info if info and runlock._alive(info) else None
+
+
+def log_rows(run: Path, after: int = -1) -> list[dict[str, Any]]:
+    """The rows of ``log.jsonl`` with a step above ``after`` (a row being written is skipped)."""
+    path = run / "log.jsonl"
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step", -1) > after:
+            rows.append(row)
+    return rows
+
+
+def state(run: Path) -> dict[str, Any]:
+    owner = lock_info(run)
+    records = record.read_records(run, "train")
+    rec = records[-1] if records else None
+    ckpts = [step for step, _ in list_checkpoints(run)]
+    if owner is not None:
+        name, detail = "running", f"pid {owner.get('pid')}"
+    elif rec is None:
+        name, detail = "unknown", "no train record yet"
+    elif rec.get("status") == "ok":
+        name, detail = "finished", ""
+    elif rec.get("status") == "interrupted":
+        name, detail = "interrupted", "resumable" if ckpts else "no checkpoint: start again"
+    else:
+        name, detail = "failed", str(rec.get("stage") or rec.get("error") or rec.get("status"))
+    return {"state": name, "detail": detail, "checkpoints": ckpts, "resumable": name == "interrupted" and bool(ckpts),
+            "record": rec}
+
+
+UI_RUN = "ui-run.json"  # how the UI started a run: preset, overrides, command
+
+
+def run_config(run: Path) -> Any:
+    """The run's configuration: as the UI started it, else its record's or newest checkpoint's; None
+    before either exists (a run started elsewhere, before its first checkpoint)."""
+    from ..commands.common import load_config, saved_config
+    from ..errors import ImgloraError
+
+    try:
+        if (run / UI_RUN).is_file():
+            started = json.loads((run / UI_RUN).read_text())
+            return load_config(started["preset"], started.get("overrides", []))
+        return saved_config(run)
+    except (ImgloraError, OSError, ValueError, KeyError):
+        return None
+
+
+def summary(run: Path, root: Path) -> dict[str, Any]:
+    from ..economics import run_rate
+
+    st = state(run)
+    rows = log_rows(run)
+    last = rows[-1] if rows else {}
+    rec = st.pop("record") or {}
+    cfg = run_config(run)
+    total = cfg.train.max_steps if cfg is not None else None
+    rate = run_rate(cfg)[1] if cfg is not None else None
+    spu, step = last.get("sec_per_update"), last.get("step")
+    eta = (total - step) * spu if isinstance(spu, (int, float)) and isinstance(step, int) and total else None
+    return {"name": run.name, "path": str(run.relative_to(root)), **st, "step": step,
+            "total": total, "loss": last.get("loss"), "sec_per_update": spu,
+            "eta_seconds": eta if st["state"] == "running" else None, "cost": last.get("cost"),
+            "projected_cost": (last["cost"] + eta / 3600 * rate) if eta and rate and last.get("cost") is not None
+            else None,
+            "peak_allocated": (rec.get("peak_memory") or {}).get("peak_allocated"),
+            "family": cfg.model.family if cfg is not None else None, "updated": _mtime(run)}
+
+
+def detail(run: Path, root: Path) -> dict[str, Any]:
+    out = summary(run, root)
+    rows = log_rows(run)
+    out["rows"] = rows
+    out["smoothed"] = smooth([r.get("loss") for r in rows])
+    out["tail"] = tail(run / UI_LOG, 40)
+    out["sheets"] = [str(p.relative_to(root)) for p in sorted(run.rglob("*.png")) if "sheet" in p.name
+                     or p.parent.name in ("eval", "samples")]
+    out["evals"] = [{k: r.get(k) for k in ("started", "status", "held_out_loss", "best_checkpoint")}
+                    for r in record.read_records(run, "eval")]
+    out["adapter"] = str((run / "adapter").relative_to(root)) if (run / "adapter").is_dir() else None
+    return out
+
+
+def smooth(values: list[Any], alpha: float = 0.9) -> list[float | None]:
+    """An exponential moving average of the losses, as the training log's smoothed curve."""
+    out: list[float | None] = []
+    m = None
+    for v in values:
+        if not isinstance(v, (int, float)):
+            out.append(m)
+            continue
+        m = v if m is None else alpha * m + (1 - alpha) * v
+        out.append(m)
+    return out
+
+
+def tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def _mtime(run: Path) -> float:
+    try:
+        return max((p.stat().st_mtime for p in (run / "log.jsonl", run / "records") if p.exists()),
+                   default=run.stat().st_mtime)
+    except OSError:
+        return time.time()
