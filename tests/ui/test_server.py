@@ -68,7 +68,8 @@ def test_runs_list_and_detail_read_the_run_folder(client, trained) -> None:
     d = client.get("/api/runs/done").json()
     assert [r["step"] for r in d["rows"]] == [1, 2, 3, 4] and len(d["smoothed"]) == 4
     assert d["smoothed"][0] == d["rows"][0]["loss"] and d["checkpoints"] == [2, 4]
-    assert d["adapter"] == "runs/done/adapter"
+    assert d["adapter"] == "runs/done/adapter/pytorch_lora_weights.safetensors"
+    assert client.get(f"/files/{d['adapter']}").status_code == 200  # the page's download link
     assert client.get("/api/runs/nope").status_code == 404
 
 
@@ -78,6 +79,7 @@ def test_events_stream_sends_the_rows_and_the_state(client) -> None:
         text = "".join(r.iter_text())
     msg = json.loads(text.removeprefix("data: ").strip())
     assert [row["step"] for row in msg["rows"]] == [3, 4] and msg["summary"]["state"] == "finished"
+    assert msg["tail"] == []  # trained in-process here: no ui-train.log
 
 
 def test_files_inside_the_root_only(client, trained, tmp_path) -> None:
@@ -144,6 +146,9 @@ def test_dataset_captions_edited_in_place(client, trained) -> None:
     assert [i["image"] for i in d["items"]] == ["datasets/toy/01_sky.png", "datasets/toy/02_grass.jpg",
                                                "datasets/toy/04_wall.png"]
     assert d["items"][0]["caption"] == (trained / "datasets/toy/01_sky.txt").read_text().strip()
+    # the scan's warnings, and beside each image those that name it (02 and 04 are upscaled > 2x at 1024 px)
+    assert any("enlarged" in w for w in d["warnings"])
+    assert [bool(i["warnings"]) for i in d["items"]] == [False, True, True]
     r = client.put("/api/caption", json={"image": "datasets/toy/01_sky.png", "caption": "a  new\ncaption"})
     assert r.status_code == 200 and (trained / "datasets/toy/01_sky.txt").read_text() == "a new caption\n"
     assert client.get("/api/dataset", params={"dir": "datasets/toy"}).json()["items"][0]["caption"] == "a new caption"

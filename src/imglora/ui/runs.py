@@ -130,7 +130,8 @@ def detail(run: Path, root: Path) -> dict[str, Any]:
                      or p.parent.name in ("eval", "samples")]
     out["evals"] = [{k: r.get(k) for k in ("started", "status", "held_out_loss", "best_checkpoint")}
                     for r in record.read_records(run, "eval")]
-    out["adapter"] = str((run / "adapter").relative_to(root)) if (run / "adapter").is_dir() else None
+    files = sorted((run / "adapter").glob("*.safetensors")) if (run / "adapter").is_dir() else []
+    out["adapter"] = str(files[0].relative_to(root)) if files else None  # the download
     return out
 
 

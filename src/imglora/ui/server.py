@@ -149,7 +149,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
                 if rows or st["state"] != last_state:
                     last = rows[-1]["step"] if rows else last
                     last_state = st["state"]
-                    yield f"data: {json.dumps({'rows': rows, 'summary': st})}\n\n"
+                    payload = {"rows": rows, "summary": st, "tail": rv.tail(run / rv.UI_LOG, 40)}
+                    yield f"data: {json.dumps(payload)}\n\n"
                 if once:
                     return
                 await asyncio.sleep(1.0)
@@ -272,7 +273,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
             text = cap.read_text(encoding="utf-8-sig", errors="replace").strip() if cap.is_file() else ""
             rel = str(image.relative_to(root))
             items.append({"image": rel, "caption": text, "caption_file": str(cap.relative_to(root)),
-                          "warnings": [w for w in scanned if str(image) in w]})
+                          "warnings": [w for w in scanned if str(image) in w or f"{image.name} (" in w
+                                       or f"{image.name}:" in w]})
         return {"dir": dir, "items": items, "warnings": list(scanned)}
 
     @app.put("/api/caption")

@@ -3,7 +3,8 @@
 const $ = (sel) => document.querySelector(sel);
 const esc = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
 const fmt = (x, d = 3) => (typeof x === "number" ? x.toFixed(d) : "");
-const hms = (s) => (typeof s === "number" ? `${Math.floor(s / 3600)}h${String(Math.floor(s / 60) % 60).padStart(2, "0")}m` : "");
+const hms = (s) => (typeof s !== "number" ? "" : s < 3600 ? `${Math.floor(s / 60)}m${String(Math.round(s) % 60).padStart(2, "0")}s`
+  : `${Math.floor(s / 3600)}h${String(Math.floor(s / 60) % 60).padStart(2, "0")}m`);
 
 async function api(path, options = {}) {
   const r = await fetch(path, {headers: {"content-type": "application/json"}, ...options});
@@ -75,7 +76,7 @@ async function openRun(name) {
   $("#sheets").innerHTML = d.sheets.map((p) => `<figure><img src="/files/${encodeURI(p)}" alt="${esc(p)}"><figcaption>${esc(p)}</figcaption></figure>`).join("");
   const link = $("#adapter-link");
   link.hidden = !d.adapter;
-  if (d.adapter) { link.href = `/files/${encodeURI(d.adapter)}/adapter_model.safetensors`; link.textContent = "download adapter"; }
+  if (d.adapter) { link.href = `/files/${encodeURI(d.adapter)}`; link.textContent = "download adapter"; }
   if (source) source.close();
   const last = rows.length ? rows[rows.length - 1].step : -1;
   source = new EventSource(`/api/runs/${encodeURIComponent(name)}/events?after=${last}`);
@@ -84,6 +85,7 @@ async function openRun(name) {
     rows = rows.concat(msg.rows);
     showSummary(msg.summary);
     drawCurve();
+    if (msg.tail && msg.tail.length) $("#tail").textContent = msg.tail.join("\n");
   };
 }
 
