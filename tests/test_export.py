@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from comfy_tree import fake_comfyui
+
 from imglora.families.diffusers_image import ADAPTER_FILE
 from imglora.commands.common import load_config
 from imglora import export as ex, lora, record
@@ -644,12 +646,6 @@ def test_default_destination_and_bad_options(flux_run, tmp_path) -> None:
             export_run(run, **kwargs)
 
 
-def fake_comfyui(root: Path) -> Path:
-    for d in ("comfy", "models/loras", "models/checkpoints", "custom_nodes"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    (root / "main.py").write_text("")
-    (root / "folder_paths.py").write_text("")
-    return root
 
 
 def test_export_into_comfyui_with_workflows(sdxl_run, tmp_path) -> None:

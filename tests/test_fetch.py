@@ -13,6 +13,8 @@ import pytest
 from click.testing import CliRunner
 from huggingface_hub import errors as hub_errors
 
+from comfy_tree import fake_comfyui
+
 from imglora import fetch as hubfetch
 from imglora.cli import main
 from imglora.commands.fetch import fetch
@@ -257,11 +259,7 @@ def test_weights_only_as_pickles_are_refused(tmp_path) -> None:
 
 
 def _fake_comfyui(root: Path) -> Path:
-    for d in ("comfy", "models/text_encoders", "models/checkpoints", "custom_nodes"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    (root / "main.py").write_text("")
-    (root / "folder_paths.py").write_text("")
-    return root
+    return fake_comfyui(root, "text_encoders", "checkpoints")
 
 
 def test_single_files_are_placed_in_their_comfyui_folders(tmp_path) -> None:

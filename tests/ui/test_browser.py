@@ -21,6 +21,8 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install playwright)")
 
+from comfy_tree import fake_comfyui  # noqa: E402
+
 from imglora.ui.server import create_app  # noqa: E402
 
 from test_server import PRESETS, _overrides, _root  # noqa: E402 (tests/ui is on sys.path, as for every test folder)
@@ -40,11 +42,7 @@ def site(tmp_path_factory):
     if CHROMIUM is None:
         pytest.skip("no chromium to drive (apt-get install chromium, or set IMGLORA_CHROMIUM)")
     root = _root(tmp_path_factory.mktemp("browser"))
-    comfy = root / "ComfyUI"
-    for d in ("comfy", "models/loras", "custom_nodes"):
-        (comfy / d).mkdir(parents=True)
-    (comfy / "main.py").write_text("")
-    (comfy / "folder_paths.py").write_text("")
+    fake_comfyui(root / "ComfyUI", "loras")
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(root, presets=PRESETS), host="127.0.0.1", port=port,
                                            log_level="warning"))

@@ -15,6 +15,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from comfy_tree import fake_comfyui  # noqa: E402
+
 from imglora.errors import ImgloraError  # noqa: E402
 from imglora.ui import runs as rv  # noqa: E402
 from imglora.ui.server import create_app, serve  # noqa: E402
@@ -179,11 +181,7 @@ def _wait(fn, timeout: float = 120.0, every: float = 0.5):
 
 
 def test_export_job_writes_into_a_comfyui_folder(client, trained) -> None:
-    comfy = trained / "ComfyUI"
-    for d in ("comfy", "models/loras", "custom_nodes"):
-        (comfy / d).mkdir(parents=True, exist_ok=True)
-    (comfy / "main.py").write_text("")
-    (comfy / "folder_paths.py").write_text("")
+    comfy = fake_comfyui(trained / "ComfyUI", "loras")
     job = client.post("/api/runs/done/export", json={"comfyui": "ComfyUI"}).json()
     assert job["argv"][:2] == ["export", str(trained / "runs" / "done")]
     done = _wait(lambda: (j := client.get(f"/api/jobs/{job['id']}").json()) and not j["running"] and j)
