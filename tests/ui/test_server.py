@@ -180,6 +180,7 @@ def _wait(fn, timeout: float = 120.0, every: float = 0.5):
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow  # a process of its own; the browser test exports too
 def test_export_job_writes_into_a_comfyui_folder(client, trained) -> None:
     comfy = fake_comfyui(trained / "ComfyUI", "loras")
     job = client.post("/api/runs/done/export", json={"comfyui": "ComfyUI"}).json()
