@@ -76,6 +76,7 @@ def test_cli_estimate_terms_and_offers() -> None:
     assert bad.exit_code == 1 and "ambiguous" in bad.output
 
 
+@pytest.mark.slow  # the default run has tests/test_offer.py's budget-guard stop (the 6-minute default run)
 def test_budget_guard_stops_with_checkpoint_and_records_projection(tmp_path: Path, small_run) -> None:
     args = ["train", str(REPO / "presets" / "tiny-sdxl.toml")]
     for o in small_run(("01_sky", "02_grass")) + ["train.log_every=1", "train.warmup_steps=0","train.max_steps=500", "train.checkpoint_every=0",

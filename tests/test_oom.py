@@ -69,13 +69,13 @@ def inject(stage: str, monkeypatch) -> None:
 @pytest.mark.parametrize("stage,kind,fix,ckpt", [
     ("caching", "host", "cache-latents", False),
     ("loading", "device", "memory.fp8 = true", False),
-    ("quantizing", "device", "memory.blocks_to_swap", False),
-    ("first forward", "device", "memory.offload_checkpoints = true", False),
+    pytest.param(*("quantizing", "device", "memory.blocks_to_swap", False), marks=pytest.mark.slow),  # (the default run stays under 6 minutes)
+    pytest.param(*("first forward", "device", "memory.offload_checkpoints = true", False), marks=pytest.mark.slow),  # (the default run stays under 6 minutes)
     ("first backward", "device", "lora.rank", False),
-    ("optimizer first step", "device", "adamw8bit", False),
+    pytest.param(*("optimizer first step", "device", "adamw8bit", False), marks=pytest.mark.slow),  # (the default run stays under 6 minutes)
     ("forward", "device", "expandable_segments", True),
     ("checkpoint saving", "host", "lora.rank", True),
-    ("evaluation", "device", "eval.every = 0", True),
+    pytest.param(*("evaluation", "device", "eval.every = 0", True), marks=pytest.mark.slow),  # (the default run stays under 6 minutes)
 ])
 def test_out_of_memory_names_its_stage_and_the_fix(stage, kind, fix, ckpt, small_run, monkeypatch) -> None:
     cfg = load_config(PRESET, small_run() + ["train.max_steps=4", "train.warmup_steps=1", "train.checkpoint_every=2", "train.log_every=1",

@@ -150,7 +150,8 @@ def runs(tmp_path_factory, sample_dataset):
 def comfy_case(family: str, kind: str):
     # plain LoRA's export is also checked on synthetic weights by tests/test_export.py
     # (sdxl-lokr in CI only: the default run stays under 6 minutes; flux-lokr stays in it)
-    slow = kind == "lora" or (family, kind) in (("sdxl", "lokr"), ("sdxl", "dora"), ("sdxl", "oft"))
+    slow = kind == "lora" or (family, kind) in (("sdxl", "lokr"), ("sdxl", "dora"), ("sdxl", "oft"), ("sdxl", "loha"),
+                                                  ("flux", "oft"))  # OFT: also tests/test_oft.py
     return pytest.param(family, kind, marks=(pytest.mark.slow,) if slow else (), id=f"{family}-{kind}")
 
 

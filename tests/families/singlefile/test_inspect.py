@@ -92,7 +92,8 @@ def _run_conversion(message: str) -> None:
     subprocess.run([sys.executable, *argv[1:]], check=True, capture_output=True, timeout=120)
 
 
-@pytest.mark.parametrize("name, converted", [("renamed.safetensors", "renamed.converted.safetensors"),
+@pytest.mark.parametrize("name, converted", [pytest.param("renamed.safetensors", "renamed.converted.safetensors",
+                                                          marks=pytest.mark.slow),
                                              ("model.ckpt", "model.safetensors")])
 def test_the_conversion_command_writes_a_new_file_and_keeps_the_input(tmp_path, name, converted):
     path = tmp_path / name
