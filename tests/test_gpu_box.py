@@ -142,7 +142,8 @@ def test_a_missing_library_is_installed_from_the_wheels_folder_only(tmp_path) ->
     assert (site / module / "__init__.py").read_text() == "VALUE = 42\n"
     assert not (site / "imglora_test_unwanted").exists()
     status = {s.split("\t")[0]: s.split("\t")[1] for s in (out / "steps.tsv").read_text().splitlines()}
-    assert status == {"env": "ok", "bench": "skipped", "pytest": "skipped", "probe": "skipped", "plan": "skipped"}
+    assert status == {"env": "ok", "bench": "skipped", "pytest": "skipped", "probe": "skipped", "diagnose": "skipped",
+                      "plan": "skipped"}
 
 
 def test_without_the_wheels_folder_it_says_to_run_gpu_wheels(tmp_path) -> None:

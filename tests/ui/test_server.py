@@ -212,3 +212,21 @@ def test_start_stop_and_resume_a_run_through_the_api(trained) -> None:
     steps = [r["step"] for r in final["rows"]]
     assert steps == sorted(set(steps)) and final["step"] > stopped_at  # resumed, no update logged twice
     assert (trained / "runs/live" / rv.UI_LOG).stat().st_size > 0  # both processes' output, for the page's tail
+
+
+@pytest.mark.slow  # processes of their own
+def test_doctor_fetch_and_eval_run_as_jobs(client, trained) -> None:
+    def finished(job: dict) -> dict:
+        return _wait(lambda: (j := client.get(f"/api/jobs/{job['id']}").json()) and not j["running"] and j)
+
+    fetch = finished(client.post("/api/fetch", json={"preset": "tiny-flux.toml", "dry_run": True}).json())
+    assert fetch["argv"][:1] == ["fetch"] and fetch["argv"][-1] == "--dry-run" and fetch["returncode"] == 0
+    assert any("a tiny model imglora builds on this machine; nothing to fetch" in line for line in fetch["tail"])
+    doctor = finished(client.post("/api/doctor", json={"preset": "tiny-flux.toml"}).json())
+    assert doctor["argv"][0] == "doctor" and doctor["returncode"] in (0, 1) and doctor["tail"]
+    assert any("CUDA" in line or "GPU" in line for line in doctor["tail"])
+    assert client.post("/api/doctor", json={"preset": "../pyproject.toml"}).status_code == 403
+    ev = finished(client.post("/api/runs/done/eval").json())
+    assert ev["argv"][:2] == ["eval", str(trained / "runs" / "done")] and ev["returncode"] == 0, ev["tail"]
+    d = client.get("/api/runs/done").json()
+    assert any(p.endswith("contact_sheet.png") for p in d["sheets"]) and d["evals"]
