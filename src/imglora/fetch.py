@@ -246,6 +246,7 @@ def plan_single_files(hub: Hub, names: dict[str, str], comfyui: Path,
     from .comfyui import find_model_file, model_folders
 
     out: dict[str, Download] = {}
+    listings: dict[str, dict[str, HubFile]] = {}
     for setting, name in names.items():
         if name in known:
             repo, path, kind = known[name]
@@ -262,10 +263,9 @@ def plan_single_files(hub: Hub, names: dict[str, str], comfyui: Path,
         dest = next((f for f in folders if f.name == kind), folders[0]) / name  # models/diffusion_models, not unet
         if repo not in out:
             sha, listing = _call(repo, hub.listing, repo, None)
-            out[repo] = Download(repo, sha, [])
-            out[repo].listing = {f.path: f for f in listing}  # type: ignore[attr-defined]
+            out[repo], listings[repo] = Download(repo, sha, []), {f.path: f for f in listing}
         d = out[repo]
-        f = d.listing.get(path)  # type: ignore[attr-defined]
+        f = listings[repo].get(path)
         if f is None:
             raise ModelSourceError(f"{setting} = {name!r}: {repo} has no {path} (any more); download the file "
                                    f"yourself into {dest.parent}")

@@ -99,11 +99,12 @@ def run_config(run: Path) -> Any:
         return None
 
 
-def summary(run: Path, root: Path) -> dict[str, Any]:
+def summary(run: Path, root: Path, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``rows``: the log's rows when the caller has read them already (read once, not twice)."""
     from ..economics import run_rate
 
     st = state(run)
-    rows = log_rows(run)
+    rows = log_rows(run) if rows is None else rows
     last = rows[-1] if rows else {}
     rec = st.pop("record") or {}
     cfg = run_config(run)
@@ -121,8 +122,8 @@ def summary(run: Path, root: Path) -> dict[str, Any]:
 
 
 def detail(run: Path, root: Path) -> dict[str, Any]:
-    out = summary(run, root)
     rows = log_rows(run)
+    out = summary(run, root, rows)
     out["rows"] = rows
     out["smoothed"] = smooth([r.get("loss") for r in rows])
     out["tail"] = tail(run / UI_LOG, 40)

@@ -98,10 +98,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
                 request.query_params.get("token") or request.cookies.get("imglora_token")
             if not given or not secrets.compare_digest(given, token):
                 return JSONResponse({"error": "a token is needed: open the page with ?token=TOKEN"}, status_code=401)
-        try:
-            response = await call_next(request)
-        except Refused as exc:
-            return JSONResponse({"error": exc.message}, status_code=exc.status)
+        response = await call_next(request)  # (Refused is answered by the exception handler below)
         if token and request.query_params.get("token"):
             response.set_cookie("imglora_token", token, httponly=True, samesite="strict")
         return response
@@ -144,8 +141,9 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         async def stream() -> Any:
             last, last_state = after, None
             while True:
-                rows = rv.log_rows(run, last)
-                st = rv.summary(run, root)
+                every = rv.log_rows(run)
+                rows = [r for r in every if r.get("step", -1) > last]
+                st = rv.summary(run, root, every)
                 if rows or st["state"] != last_state:
                     last = rows[-1]["step"] if rows else last
                     last_state = st["state"]
