@@ -6,6 +6,7 @@ repository was made so). Skipped, with the reason, where Playwright or a chromiu
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -75,16 +76,37 @@ def test_start_from_the_form_watch_the_curve_grow_and_stop(site) -> None:
     page, root = site["page"], site["root"]
     page.goto(site["url"] + "/#new")
     page.select_option("#preset", "tiny-flux.toml")
-    page.wait_for_selector("#keys input")
+    page.wait_for_selector("#keys [data-key]")
     for override in _overrides(root, "browser", steps=400, every=1000):
         key, value = override.split("=", 1)
         page.fill("#key-filter", key)
-        page.fill(f'#keys input[data-key="{key}"]', value)
-        page.dispatch_event(f'#keys input[data-key="{key}"]', "change")
+        field = f'#keys [data-key="{key}"]'
+        kind = page.get_attribute(field, "data-type")
+        # a text field takes the text itself (the page quotes it), a number field the number
+        page.fill(field, value.strip('"') if kind == "str" else value)
+        page.dispatch_event(field, "change")
+    # a choice is a list of its values, a boolean true/false, each showing the preset's value beside it
+    page.fill("#key-filter", "lora.type")
+    assert page.eval_on_selector('#keys select[data-key="lora.type"]', "s => [...s.options].map(o => o.value)") == [
+        "", "lora", "dora", "loha", "lokr", "oft"]
+    page.select_option('#keys select[data-key="lora.type"]', "lora")
+    page.dispatch_event('#keys select[data-key="lora.type"]', "change")
+    page.fill("#key-filter", "memory.gradient_checkpointing")
+    assert page.get_attribute('#keys [data-key="memory.gradient_checkpointing"]', "data-type") == "bool"
+    # the cost of the run on the offers entered, from the plan of each card named
+    page.fill("#offers", "runpod-h100:2.99\nvast-4090:0.40:1.5")
+    page.click("#btn-estimate")
+    page.wait_for_selector("#estimate tr.offer")
+    assert page.inner_text('#estimate tr.offer[data-offer="vast-4090"] td.cost') == f"{(400 * 1.5 + 600) / 3600 * 0.40:.2f}"
+    assert "predicted for the H100 SXM" in page.inner_text('#estimate tr.offer[data-offer="runpod-h100"]')
     # a bad value first: the same message `imglora config` gives, nothing started
     page.fill("#key-filter", "lora.rank")
+    assert page.get_attribute('#keys input[data-key="lora.rank"]', "type") == "number"
+    assert page.get_attribute('#keys input[data-key="lora.rank"]', "min") == "1"
     page.fill('#keys input[data-key="lora.rank"]', "-4")
     page.dispatch_event('#keys input[data-key="lora.rank"]', "change")
+    changed = page.inner_text("#changed")
+    assert 'lora.type="lora"' in changed and "lora.rank=-4" in changed and 'run.name="browser"' in changed
     page.click("#btn-start")
     page.wait_for_function("document.querySelector('#problems').dataset.ok === 'false'")
     assert "lora.rank" in page.inner_text("#problems")
@@ -107,11 +129,27 @@ def test_start_from_the_form_watch_the_curve_grow_and_stop(site) -> None:
     assert list((root / "runs" / "browser" / "checkpoints").iterdir())
 
 
-def test_edit_a_caption(site) -> None:
+def test_edit_a_caption_and_see_the_masks(site) -> None:
+    from PIL import Image
+
     page, root = site["page"], site["root"]
+    (root / "datasets" / "masks").mkdir(exist_ok=True)
+    mask = Image.new("L", (512, 512), 40)
+    mask.paste(255, (128, 128, 384, 384))
+    mask.save(root / "datasets" / "masks" / "01_sky.png")
     page.goto(site["url"] + "/#dataset")
     page.fill("#dataset-dir", "datasets/toy")
+    page.fill("#dataset-masks", "datasets/masks")
     page.click("#btn-dataset")
+    overlay = page.wait_for_selector('img.mask[src="/files/datasets/masks/01_sky.png"]')
+    page.wait_for_function("[...document.querySelectorAll('#gallery img')].every(i => i.complete)")
+    assert overlay.evaluate("m => getComputedStyle(m).mixBlendMode") == "multiply"
+    assert overlay.evaluate("m => m.naturalWidth") == 512  # it loaded
+    page.fill("#overlay", "100")
+    page.dispatch_event("#overlay", "input")
+    assert overlay.evaluate("m => getComputedStyle(m).opacity") == "1"
+    warnings = page.inner_text("#dataset-warnings")
+    assert "have no mask in" in warnings and "datasets/masks" in warnings and "02_grass.jpg" in warnings
     box = page.wait_for_selector('textarea[data-image="datasets/toy/02_grass.jpg"]')
     box.fill("sks toy on green grass, edited in the browser")
     box.dispatch_event("change")
@@ -127,11 +165,20 @@ def test_export_to_a_comfyui_folder(site) -> None:
     cwd = os.getcwd()
     os.chdir(root)
     try:  # a finished run to export
-        train(load_config(PRESETS / "tiny-flux.toml", _overrides(root, "finished")), out=lambda s: None)
+        train(load_config(PRESETS / "tiny-flux.toml", _overrides(root, "finished") + ["eval.holdout=1"]),
+              out=lambda s: None)
     finally:
         os.chdir(cwd)
+    from imglora.commands.evaluate import evaluate
+
+    evaluate(root / "runs" / "finished", all_checkpoints=True, out=lambda s: None)
     page.goto(site["url"] + "/#runs")
     page.click('tr.run[data-name="finished"]')
+    # the evaluation: held-out loss per checkpoint, the best marked, its sheet linked
+    page.wait_for_selector("#ckpt-losses tr.best")
+    best = json.loads((root / "runs/finished/eval/losses.json").read_text())["best_step"]
+    assert page.get_attribute("#ckpt-losses tr.best", "data-step") == str(best)
+    assert "★ best" in page.inner_text("#ckpt-losses tr.best")
     page.wait_for_function("document.querySelector('#run-state').dataset.state === 'finished'")
     page.fill("#export-comfyui", "ComfyUI")
     page.click("#btn-export")

@@ -136,11 +136,84 @@ def test_schema_check_and_presets(client) -> None:
     assert client.post("/api/check", json={"preset": "nope.toml"}).status_code == 404
 
 
+def test_schema_gives_each_key_its_widget_and_the_presets_value(client) -> None:
+    """The form is made from the typed config: a key's type, choices and range, and the preset's value."""
+    keys = {k["key"]: k for k in client.get("/api/schema", params={"preset": "tiny-flux.toml"}).json()["keys"]}
+    assert keys["lora.rank"] | {"help": ""} == {"key": "lora.rank", "default": "16", "help": "", "type": "int",
+                                                "choices": [], "min": 1, "max": 1024, "value": "8"}
+    assert keys["lora.type"]["type"] == "choice" and keys["lora.type"]["choices"] == ["lora", "dora", "loha", "lokr", "oft"]
+    assert keys["memory.gradient_checkpointing"]["type"] == "bool"
+    assert keys["train.learning_rate"]["type"] == "float" and keys["train.learning_rate"]["min"] == 0.0
+    assert keys["model.path"] == keys["model.path"] | {"type": "str", "value": '"tiny:flux"'}
+    assert keys["lora.targets"]["type"] == keys["train.optimizer_args"]["type"] == "toml"
+    assert keys["flux.timestep_sampling"]["value"] == '"shift"'  # the preset's family section
+    assert "value" not in keys["sdxl.prediction_type"]  # another family's: no value for this preset
+    assert "value" not in client.get("/api/schema").json()["keys"][0]  # no preset: defaults only
+    assert client.get("/api/schema", params={"preset": "../pyproject.toml"}).status_code == 403
+    # what the page sends for a string and a choice (JSON-quoted, which TOML reads back) is accepted
+    ok = client.post("/api/check", json={"preset": "tiny-flux.toml",
+                                         "overrides": ['data.trigger_word="a \\"quoted\\" word"', 'lora.type="dora"']}).json()
+    assert ok["ok"], ok["problems"]
+    assert 'trigger_word = "a \\"quoted\\" word"' in ok["toml"] and 'type = "dora"' in ok["toml"]
+
+
 def test_plan_for_a_card(client) -> None:
     r = client.post("/api/plan", json={"preset": "tiny-flux.toml", "overrides": [], "gpu": "4090"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert "peak allocated" in body["text"] and body["plan"]["settings"]
+
+
+def test_cost_per_offer_from_the_plan_of_the_card_it_names(client) -> None:
+    from imglora.ui import costs
+
+    offers = ["runpod H100 PCIe:2.49", "vast-rtx4090:0.40:1.5", "somewhere:1.00"]
+    r = client.post("/api/estimate", json={"preset": "tiny-flux.toml", "overrides": ["train.checkpoint_every=2"],
+                                           "gpu": "a100", "offers": offers + [""], "idle_minutes": 6})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["steps"] == 100 and body["currency"] == "USD" and "not measured before a first run" in body["note"]
+    h100, rtx, other = body["offers"]
+    assert [h100["card"], rtx["card"], other["card"]] == ["h100-pcie", "4090", "a100"]  # else the card chosen
+    plan = client.post("/api/plan", json={"preset": "tiny-flux.toml", "overrides": ["train.checkpoint_every=2"],
+                                          "gpu": "h100-pcie"}).json()["plan"]
+    own = plan["settings"][0]
+    assert h100["setting"] == own["setting"] and h100["seconds_per_update"] == own["predicted_seconds_per_update"]
+    assert "predicted for the H100 PCIe" in h100["basis"] and "not measured" in h100["basis"]
+    assert h100["hours"] == pytest.approx((100 * h100["seconds_per_update"] + 360) / 3600, rel=1e-12)
+    assert h100["cost"] == pytest.approx(h100["hours"] * 2.49, rel=1e-12)
+    assert rtx["seconds_per_update"] == 1.5 and "measured there" in rtx["basis"]
+    assert rtx["cost"] == pytest.approx((150 + 360) / 3600 * 0.40, rel=1e-12)
+    assert costs.card_of("Lambda 1x H100 SXM", "h200") == "h100" and costs.card_of("l40s-spot", "h200") == "l40s"
+    assert costs.card_of("box-13090", "h200") == "h200"  # not a 3090
+    refused = [client.post("/api/estimate", json={"preset": "tiny-flux.toml", **b}).json()["error"] for b in
+               ({"offers": []}, {"offers": ["h100:cheap"]}, {"offers": ["h100:1"], "overrides": ["train.max_steps=0",
+                                                                                              "train.epochs=2"]})]
+    assert "no offer" in refused[0] and "'h100:cheap': expected NAME:RATE" in refused[1]
+    assert "train.max_steps is 0" in refused[2] and "enter the number of updates" in refused[2]
+    r = client.post("/api/estimate", json={"preset": "tiny-flux.toml", "offers": ["h100:1"], "steps": 10,
+                                           "overrides": ["train.max_steps=0", "train.epochs=2"]})
+    assert r.status_code == 200 and r.json()["steps"] == 10
+
+
+def test_a_setting_that_does_not_fit_the_card_is_replaced_by_the_fastest_that_fits() -> None:
+    from types import SimpleNamespace
+
+    from imglora.ui import costs
+
+    def setting(name: str, fits: bool, seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(setting=SimpleNamespace(name=name), fits=lambda vram, host, kind: fits,
+                               measured_seconds=None, predicted=SimpleNamespace(seconds=seconds), time_note=None)
+
+    plan = SimpleNamespace(settings=[setting("model:0", False, 1.0), setting("fp8:18", True, 2.0)],
+                           fastest_fit="fp8:18")
+    (row,) = costs.offer_rows(["vast-3090:0.2"], "h200", 100, 0, 0.0, "EUR", lambda card: plan)
+    assert row.card == "3090" and row.setting == "fp8:18" and row.seconds_per_update == 2.0
+    assert "the preset's model:0 does not fit its 24 GiB; fp8:18, the fastest that fits" in row.basis
+    assert row.cost == pytest.approx(200 / 3600 * 0.2, rel=1e-12)
+    plan.fastest_fit = None
+    (row,) = costs.offer_rows(["vast-3090:0.2"], "h200", 100, 0, 0.0, "EUR", lambda card: plan)
+    assert row.setting is None and row.cost is None and "no setting fits" in row.basis
 
 
 def test_dataset_captions_edited_in_place(client, trained) -> None:
@@ -158,6 +231,64 @@ def test_dataset_captions_edited_in_place(client, trained) -> None:
     assert client.put("/api/caption", json={"image": "runs/done/log.jsonl", "caption": "x"}).status_code == 404
     assert client.put("/api/caption", json={"image": "/etc/hosts", "caption": "x"}).status_code == 403
     assert client.get("/api/dataset", params={"dir": "../"}).status_code == 403
+
+
+def test_dataset_masks_and_sources_found_and_checked_as_training_does(client, trained) -> None:
+    from PIL import Image
+
+    masks, sources = trained / "datasets" / "toy_masks", trained / "datasets" / "toy_sources"
+    masks.mkdir(exist_ok=True)
+    sources.mkdir(exist_ok=True)
+    half = Image.new("L", (512, 512), 0)
+    half.paste(255, (0, 0, 256, 512))
+    half.save(masks / "01_sky.png")
+    Image.new("L", (64, 64), 255).save(masks / "02_grass.png")  # not its image's size: a problem
+    Image.new("RGB", (512, 512), (9, 9, 9)).save(sources / "01_sky.png")
+    Image.new("RGB", (512, 512), (9, 9, 9)).save(sources / "01_sky_1.png")
+    try:
+        d = client.get("/api/dataset", params={"dir": "datasets/toy", "mask_dir": "datasets/toy_masks",
+                                               "control_dir": "datasets/toy_sources"}).json()
+        sky, grass, wall = d["items"]
+        assert sky["mask"] == "datasets/toy_masks/01_sky.png"
+        assert sky["controls"] == ["datasets/toy_sources/01_sky.png", "datasets/toy_sources/01_sky_1.png"]
+        assert grass["mask"] is None and wall["mask"] is None and grass["controls"] == wall["controls"] == []
+        assert any("02_grass.png: the mask is 64x64 but its image 02_grass.jpg is" in p for p in d["problems"])
+        assert any("02_grass.png: the mask is 64x64" in w for w in grass["warnings"])  # beside the image it names
+        assert any("have no mask in" in w and "04_wall.png" in w for w in d["warnings"])
+        assert any("no source image in control_dir" in p and "04_wall.png" in p for p in d["problems"])
+        assert client.get(f"/files/{sky['mask']}").status_code == 200  # the overlay the page draws
+        assert client.get("/api/dataset", params={"dir": "datasets/toy", "mask_dir": "/etc"}).status_code == 403
+        assert client.get("/api/dataset", params={"dir": "datasets/toy", "mask_dir": "nope"}).status_code == 200
+    finally:
+        shutil.rmtree(masks)
+        shutil.rmtree(sources)
+
+
+def test_held_out_loss_per_checkpoint_with_the_best_marked(tmp_path) -> None:
+    """After the evaluation pass: each checkpoint's held-out and training-image loss as eval/losses.json
+    has them, the lowest held-out loss marked best, with its adapter, contact sheet and the plot."""
+    from imglora.commands.common import load_config
+    from imglora.commands.evaluate import evaluate
+    from imglora.commands.train import train
+
+    root = _root(tmp_path)
+    train(load_config(PRESETS / "tiny-flux.toml", _overrides(root, "held") + ["eval.holdout=1"]), out=lambda s: None)
+    c = TestClient(create_app(root, presets=PRESETS))
+    assert c.get("/api/runs/held").json()["eval_losses"] is None  # not evaluated yet
+    evaluate(root / "runs" / "held", all_checkpoints=True, out=lambda s: None)
+    d = c.get("/api/runs/held").json()
+    table = json.loads((root / "runs/held/eval/losses.json").read_text())
+    el = d["eval_losses"]
+    assert [r["step"] for r in el["checkpoints"]] == [2, 4] and el["base"] == table["base"]
+    assert [(r["heldout"], r["train"]) for r in el["checkpoints"]] == [(r["heldout"], r["train"]) for r in table["checkpoints"]]
+    best = min(el["checkpoints"], key=lambda r: r["heldout"])
+    assert el["best_step"] == best["step"] == table["best_step"] and d["evals"][-1]["best_step"] == best["step"]
+    assert [r["best"] for r in el["checkpoints"]] == [r is best for r in el["checkpoints"]]
+    for r in el["checkpoints"]:
+        assert r["adapter"] == f"runs/held/checkpoints/step-{r['step']:06d}/adapter"
+        assert r["sheet"] == f"runs/held/eval/step-{r['step']:06d}/contact_sheet.png"
+        assert c.get(f"/files/{r['sheet']}").status_code == 200
+    assert el["plot"] == "runs/held/eval/loss_vs_step.png" and d["evals"][-1]["steps"] == [2, 4]
 
 
 def test_actions_that_do_not_apply_are_refused(client) -> None:
@@ -226,7 +357,16 @@ def test_doctor_fetch_and_eval_run_as_jobs(client, trained) -> None:
     assert doctor["argv"][0] == "doctor" and doctor["returncode"] in (0, 1) and doctor["tail"]
     assert any("CUDA" in line or "GPU" in line for line in doctor["tail"])
     assert client.post("/api/doctor", json={"preset": "../pyproject.toml"}).status_code == 403
+    overrides = _overrides(trained, "cached") + [f'cache.dir="{trained / "fresh-cache"}"']  # nothing to reuse
+    cache = finished(client.post("/api/cache", json={"preset": "tiny-flux.toml", "overrides": overrides}).json())
+    assert cache["argv"][:2] == ["cache-latents", str(PRESETS / "tiny-flux.toml")] and cache["returncode"] == 0
+    assert any("encoding latents: 3/3" in line for line in cache["tail"]), cache["tail"]  # its progress, shown
+    assert any("latents: 3 encoded, 0 reused" in line for line in cache["tail"])
+    assert client.post("/api/cache", json={"preset": "/etc/passwd"}).status_code == 403
     ev = finished(client.post("/api/runs/done/eval").json())
     assert ev["argv"][:2] == ["eval", str(trained / "runs" / "done")] and ev["returncode"] == 0, ev["tail"]
     d = client.get("/api/runs/done").json()
     assert any(p.endswith("contact_sheet.png") for p in d["sheets"]) and d["evals"]
+    # no held-out images in this run: losses per checkpoint, none named best
+    assert [(r["step"], r["heldout"], r["best"]) for r in d["eval_losses"]["checkpoints"]] == [(2, None, False),
+                                                                                              (4, None, False)]

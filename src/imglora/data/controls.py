@@ -30,7 +30,7 @@ def attach_controls(items: list[DatasetItem], root: Path, control_dir: Path, key
         return items
     out, missing, shapes = [], [], []
     for item in items:
-        found = _find(item.path, root, control_dir, most)
+        found = find_controls(item.path, root, control_dir, most)
         if not found:
             missing.append(str(item.path.relative_to(root)))
             continue
@@ -71,7 +71,7 @@ def unpaired(control_dir: Path, key: str, items: list[DatasetItem], most: int) -
 ASPECT_TOLERANCE = 0.02  # relative difference of width/height beyond which a pair is said to differ in shape
 
 
-def _find(image: Path, root: Path, control_dir: Path, most: int) -> list[Path]:
+def find_controls(image: Path, root: Path, control_dir: Path, most: int) -> list[Path]:
     rel = image.relative_to(root)
     for folder in dict.fromkeys((control_dir / rel.parent, control_dir)):
         first = _one(folder, image.stem)

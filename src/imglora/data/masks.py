@@ -32,7 +32,7 @@ def attach_masks(items: list[DatasetItem], root: Path, mask_dir: Path, key: str,
         return items
     out, missing = [], []
     for item in items:
-        mask = _find_mask(item.path, root, mask_dir)
+        mask = find_mask(item.path, root, mask_dir)
         if mask is None:
             missing.append(item.path.name)
             out.append(item)
@@ -45,7 +45,7 @@ def attach_masks(items: list[DatasetItem], root: Path, mask_dir: Path, key: str,
     return out
 
 
-def _find_mask(image: Path, root: Path, mask_dir: Path) -> Path | None:
+def find_mask(image: Path, root: Path, mask_dir: Path) -> Path | None:
     rel = image.relative_to(root)
     for folder in dict.fromkeys((mask_dir / rel.parent, mask_dir)):
         for ext in IMAGE_EXTENSIONS:

@@ -129,11 +129,40 @@ def detail(run: Path, root: Path) -> dict[str, Any]:
     out["tail"] = tail(run / UI_LOG, 40)
     out["sheets"] = [str(p.relative_to(root)) for p in sorted(run.rglob("*.png")) if "sheet" in p.name
                      or p.parent.name in ("eval", "samples")]
-    out["evals"] = [{k: r.get(k) for k in ("started", "status", "held_out_loss", "best_checkpoint")}
-                    for r in record.read_records(run, "eval")]
+    evals = record.read_records(run, "eval")
+    out["evals"] = [{k: r.get(k) for k in ("started", "status", "best_step", "best_checkpoint")}
+                    | {"steps": [x.get("step") for x in r.get("losses") or []]} for r in evals]
+    out["eval_losses"] = eval_losses(run, root, evals)
     files = sorted((run / "adapter").glob("*.safetensors")) if (run / "adapter").is_dir() else []
     out["adapter"] = str(files[0].relative_to(root)) if files else None  # the download
     return out
+
+
+def eval_losses(run: Path, root: Path, evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evaluation pass's table (``eval/losses.json``): per checkpoint its held-out and
+    training-image loss, its adapter and contact sheet (paths inside the root), the best one marked
+    (lowest held-out loss), and the base model's losses; None before any evaluation."""
+    try:
+        table = json.loads((run / "eval" / "losses.json").read_text())
+    except (OSError, ValueError):
+        return None
+    sheets: dict[str, str] = {}
+    for r in evals:  # later evaluations' sheets replace earlier ones
+        sheets.update((r.get("outputs") or {}).get("sheets") or {})
+
+    def rel(path: Any) -> str | None:
+        try:
+            return str(Path(path).resolve().relative_to(root)) if path else None
+        except ValueError:
+            return None
+
+    best = table.get("best_step")
+    rows = [{"step": r.get("step"), "heldout": r.get("heldout"), "train": r.get("train"), "adapter": rel(r.get("adapter")),
+             "sheet": rel(sheets.get(str(r.get("step")))), "best": r.get("step") == best}
+            for r in table.get("checkpoints", [])]
+    plot = run / "eval" / "loss_vs_step.png"
+    return {"checkpoints": rows, "best_step": best, "base": table.get("base"),
+            "plot": rel(plot) if plot.is_file() else None}
 
 
 def smooth(values: list[Any], alpha: float = 0.9) -> list[float | None]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -215,11 +216,21 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         return {"presets": sorted(p.name for p in preset_dir.glob("*.toml")) if preset_dir else []}
 
     @app.get("/api/schema")
-    def schema() -> Any:
-        from .. import config
+    def schema(preset: str = "") -> Any:
+        """The form: every key with its type, choices, range, default and help, and with ``preset``
+        the value that preset gives it (TOML)."""
+        from ..commands.common import load_config
+        from ..config.keys import field_specs
+        from ..errors import ImgloraError
         from ..families import registry
 
-        return {"keys": [{"key": k, "default": d, "help": h} for k, d, h in config.field_help(registry)]}
+        cfg = None
+        if preset:
+            try:
+                cfg = load_config(_preset_path(preset), [])
+            except ImgloraError as exc:
+                return JSONResponse({"error": str(exc)}, status_code=422)
+        return {"keys": field_specs(registry, cfg)}
 
     @app.post("/api/check")
     async def check(request: Request) -> Any:
@@ -235,45 +246,113 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
             return {"ok": False, "problems": str(exc)}
         return {"ok": True, "problems": "", "toml": cfg.to_toml(), "notes": list(cfg.notes)}
 
+    plans: dict[tuple[Any, ...], Any] = {}  # (preset, overrides, card, mtime): the plan, made once
+
+    def plan_for(preset: Path, overrides: tuple[str, ...], card: str, lines: list[str] | None = None) -> Any:
+        from ..commands import plan as plan_cmd
+
+        key = (str(preset), overrides, card, preset.stat().st_mtime_ns)  # (an edited preset: a new plan)
+        if key not in plans or lines is not None:
+            plans[key] = plan_cmd.run(str(preset), overrides, blocks=None, resolution=None, vram=None, host_ram=None,
+                                      bench_file=None, device="cuda", json_out=None,
+                                      out=(lines.append if lines is not None else lambda s: None), gpu=card)
+        return plans[key]
+
     @app.post("/api/plan")
     async def plan(request: Request) -> Any:
-        from ..commands import plan as plan_cmd
         from ..errors import ImgloraError
 
         body = await request.json()
         preset = _preset_path(body.get("preset", ""))
         lines: list[str] = []
         try:
-            p = await asyncio.to_thread(plan_cmd.run, str(preset), tuple(body.get("overrides", [])), blocks=None,
-                                        resolution=None, vram=None, host_ram=None, bench_file=None, device="cuda",
-                                        json_out=None, out=lines.append, gpu=body.get("gpu") or "h200")
+            p = await asyncio.to_thread(plan_for, preset, tuple(body.get("overrides", [])), body.get("gpu") or "h200",
+                                        lines)
         except ImgloraError as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
         return {"text": "\n".join(lines), "plan": p.to_dict()}
 
+    @app.post("/api/estimate")
+    async def estimate(request: Request) -> Any:
+        """Hours and cost per GPU offer entered (NAME:RATE[:SEC_PER_UPDATE]), at the plan's speed for the
+        card the offer names (else the card chosen), for the preset's updates."""
+        from ..commands.common import load_config
+        from ..errors import ImgloraError
+        from . import costs
+
+        body = await request.json()
+        preset = _preset_path(body.get("preset", ""))
+        overrides = tuple(str(o) for o in body.get("overrides", []))
+        offers = [o for o in (str(x).strip() for x in body.get("offers", [])) if o]
+        try:
+            cfg = load_config(preset, list(overrides))
+            steps = int(body.get("steps") or 0) or cfg.train.max_steps
+            if not steps:
+                raise ImgloraError(f"{preset.name}: train.max_steps is 0 (the run counts epochs, so its updates depend "
+                                   "on the dataset's batches); enter the number of updates")
+            if not offers:
+                raise ImgloraError("no offer: enter one per line as NAME:RATE or NAME:RATE:SEC_PER_UPDATE, e.g. "
+                                   "runpod-h100:2.99 (the card is read from the name)")
+            idle = float(body.get("idle_minutes") or 0)
+            currency = cfg.train.budget.currency
+            rows = await asyncio.to_thread(costs.offer_rows, offers, body.get("gpu") or "h200", steps,
+                                           cfg.train.checkpoint_every, idle, currency,
+                                           lambda card: plan_for(preset, overrides, card))
+        except (ImgloraError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=422)
+        return {"steps": steps, "currency": currency, "idle_minutes": idle, "offers": [r.to_dict() for r in rows],
+                "note": "training updates at the speed shown, plus the idle minutes entered (boot, model download, "
+                        "caching, checkpoint saves and evaluation are not measured before a first run: "
+                        "`imglora estimate RUN_DIR` measures them from one)"}
+
     # ------------------------------------------------------------------------------- dataset
     @app.get("/api/dataset")
-    def dataset(dir: str) -> Any:
+    def dataset(dir: str, mask_dir: str = "", control_dir: str = "") -> Any:
+        """The folder's images with their captions, the scan's warnings beside the images they name, and
+        with ``mask_dir``/``control_dir`` (data.sets[].mask_dir, control_dir) each image's loss mask
+        and source images, found as training finds them, for the page to overlay."""
+        from ..data.controls import attach_controls
         from ..data.dataset import _find_images, scan_dataset
+        from ..data.masks import attach_masks
         from ..errors import DataError
 
         folder = inside(root, dir)
+        masks = inside(root, mask_dir) if mask_dir else None
+        controls = inside(root, control_dir) if control_dir else None
         warnings: list[str] = []
         try:
             images = [p for p, _ in _find_images(folder, 1, warnings, "dir")]
-            scanned = scan_dataset(folder, resolution=1024, step=64, missing_caption="default",
-                                   skip_bad_images=True).warnings
+            result = scan_dataset(folder, resolution=1024, step=64, missing_caption="default", skip_bad_images=True)
         except DataError as exc:
             raise Refused(422, str(exc)) from None
+        scanned, problems = list(result.warnings), []
+        found = list(result.items)  # checked as training checks them: the mask's size, an all-black mask ...
+        if masks is not None:
+            found = attach_masks(found, folder, masks, "mask_dir", problems, scanned)
+        mask_of = {item.path: item.mask for item in found}
+        if controls is not None:
+            found = attach_controls(found, folder, controls, "control_dir", 8, problems, scanned)
+        controls_of = {item.path: item.controls for item in found}
+
+        def rel(path: Path | None) -> str | None:
+            try:
+                return None if path is None else str(path.resolve().relative_to(root))
+            except ValueError:  # a symlink out of the root: not shown (/files would refuse it)
+                return None
+
+        def names(message: str, image: Path) -> bool:  # the file's path, or its name as a word of its own
+            return str(image) in message or re.search(rf"(?<![\w/.-]){re.escape(image.name)}(?![\w.-])", message) is not None
+
         items = []
         for image in images:
             cap = image.with_suffix(".txt")
             text = cap.read_text(encoding="utf-8-sig", errors="replace").strip() if cap.is_file() else ""
-            rel = str(image.relative_to(root))
-            items.append({"image": rel, "caption": text, "caption_file": str(cap.relative_to(root)),
-                          "warnings": [w for w in scanned if str(image) in w or f"{image.name} (" in w
-                                       or f"{image.name}:" in w]})
-        return {"dir": dir, "items": items, "warnings": list(scanned)}
+            items.append({"image": rel(image), "caption": text, "caption_file": rel(cap),
+                          "mask": rel(mask_of.get(image)),
+                          "controls": [c for c in map(rel, controls_of.get(image, ())) if c],
+                          "warnings": [w for w in problems + scanned if names(w, image)]})
+        return {"dir": dir, "mask_dir": mask_dir, "control_dir": control_dir, "items": items,
+                "problems": problems, "warnings": scanned}
 
     @app.put("/api/caption")
     async def put_caption(request: Request) -> Any:
@@ -308,6 +387,16 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         comfy = str(body.get("comfyui") or "")
         argv = ["export", str(run)] + (["--comfyui", str(inside(root, comfy))] if comfy else [])
         return launcher.start("export", argv, run / "ui-export.log")
+
+    @app.post("/api/cache")
+    async def cache(request: Request) -> Any:
+        """``imglora cache-latents PRESET --set ...``: latents and text encoded once, before renting time
+        for training (its progress lines in the job's output)."""
+        body = await request.json()
+        preset = _preset_path(body.get("preset", ""))
+        overrides = [x for o in body.get("overrides", []) for x in ("--set", str(o))]
+        return launcher.start("cache", ["cache-latents", str(preset), *overrides],
+                              root / ".imglora-ui" / "cache-latents.log")
 
     @app.post("/api/fetch")
     async def fetch(request: Request) -> Any:

@@ -72,8 +72,18 @@ async function openRun(name) {
   drawCurve();
   $("#tail").textContent = d.tail.join("\n");
   $("#evals tbody").innerHTML = d.evals.map((e) => `<tr><td>${esc(e.started)}</td><td>${esc(e.status)}</td>
-    <td>held-out loss ${esc(JSON.stringify(e.held_out_loss))}</td><td>best: ${esc(JSON.stringify(e.best_checkpoint))}</td></tr>`).join("");
-  $("#sheets").innerHTML = d.sheets.map((p) => `<figure><img src="/files/${encodeURI(p)}" alt="${esc(p)}"><figcaption>${esc(p)}</figcaption></figure>`).join("");
+    <td>checkpoints ${esc(e.steps.join(", "))}</td><td>best: ${e.best_step ?? "–"}</td></tr>`).join("");
+  const el = d.eval_losses;
+  $("#ckpt-losses").innerHTML = !el ? "" : `<thead><tr><th>checkpoint</th><th>held-out loss</th><th>training-image loss</th>
+    <th>adapter</th><th>sheet</th></tr></thead><tbody>` + el.checkpoints.map((c) => `
+    <tr class="${c.best ? "best" : ""}" data-step="${c.step}"><td>${c.step}${c.best ? " ★ best" : ""}</td>
+    <td>${fmt(c.heldout, 4) || "n/a"}</td><td>${fmt(c.train, 4)}</td>
+    <td>${c.adapter ? `<a href="/files/${encodeURI(c.adapter)}">${esc(c.adapter.split("/").slice(-2).join("/"))}</a>` : ""}</td>
+    <td>${c.sheet ? `<a href="/files/${encodeURI(c.sheet)}">sheet</a>` : ""}</td></tr>`).join("") + "</tbody>" +
+    (el.best_step === null ? `<caption>no held-out images (eval.holdout or eval.holdout_dir), so no best checkpoint</caption>` : "");
+  $("#loss-plot").hidden = !(el && el.plot);
+  if (el && el.plot) $("#loss-plot").src = `/files/${encodeURI(el.plot)}`;
+  $("#sheets").innerHTML = d.sheets.filter((p) => !(el && p === el.plot)).map((p) => `<figure><img src="/files/${encodeURI(p)}" alt="${esc(p)}"><figcaption>${esc(p)}</figcaption></figure>`).join("");
   const link = $("#adapter-link");
   link.hidden = !d.adapter;
   if (d.adapter) { link.href = `/files/${encodeURI(d.adapter)}`; link.textContent = "download adapter"; }
@@ -111,24 +121,54 @@ $("#btn-eval").onclick = () => runAction(`/api/runs/${encodeURIComponent(current
 $("#btn-export").onclick = () => runAction(`/api/runs/${encodeURIComponent(current)}/export`, {comfyui: $("#export-comfyui").value});
 
 // ------------------------------------------------------------------------------ new run
+// The form is made from the typed config (/api/schema): a checkbox-like choice for booleans, a list
+// for choices, number fields with the schema's range, text for strings (sent as TOML strings) and
+// TOML for lists and tables. An empty field keeps the preset's value.
 let keys = [];
 async function loadNew() {
   const presets = (await api("/api/presets")).presets;
   for (const sel of [$("#preset"), $("#tools-preset")]) sel.innerHTML = presets.map((p) => `<option>${esc(p)}</option>`).join("");
-  keys = (await api("/api/schema")).keys;
+  await loadKeys();
+}
+async function loadKeys() {
+  const entered = Object.fromEntries(keys.filter((k) => k.entered !== undefined).map((k) => [k.key, k.entered]));
+  keys = (await api(`/api/schema?preset=${encodeURIComponent($("#preset").value)}`)).keys;
+  keys.forEach((k) => { if (k.key in entered) k.entered = entered[k.key]; });
   renderKeys();
+}
+$("#preset").addEventListener("change", loadKeys);
+
+function widget(k) {
+  const attrs = `data-key="${esc(k.key)}" data-type="${k.type}"`;
+  const now = k.entered ?? "";
+  if (k.type === "bool" || k.type === "choice") {
+    const options = k.type === "bool" ? ["true", "false"] : k.choices.map(String);
+    return `<select ${attrs}><option value="">(preset)</option>${options.map((o) =>
+      `<option${o === now ? " selected" : ""}>${esc(o)}</option>`).join("")}</select>`;
+  }
+  if (k.type === "int" || k.type === "float") {
+    const range = (k.min !== null ? ` min="${k.min}"` : "") + (k.max !== null ? ` max="${k.max}"` : "");
+    return `<input type="number" step="${k.type === "int" ? 1 : "any"}"${range} ${attrs} value="${esc(now)}">`;
+  }
+  const hint = k.type === "toml" ? ' placeholder="TOML, e.g. [&quot;a&quot;]"' : "";
+  return `<input type="text" ${attrs}${hint} value="${esc(now)}">`;
 }
 function renderKeys() {
   const f = $("#key-filter").value.trim();
-  $("#keys tbody").innerHTML = keys.filter((k) => !f || k.key.includes(f)).slice(0, 80).map((k) => `
-    <tr><td>${esc(k.key)}</td><td><input data-key="${esc(k.key)}" value="${esc(k.value ?? "")}"></td>
-    <td>${esc(k.default)}</td><td>${esc(k.help)}</td></tr>`).join("");
-  document.querySelectorAll("#keys input").forEach((i) => i.addEventListener("change", () => {
-    keys.find((k) => k.key === i.dataset.key).value = i.value;
+  const changed = $("#changed-only").checked;
+  $("#keys tbody").innerHTML = keys.filter((k) => (!f || k.key.includes(f)) && (!changed || k.entered)).slice(0, 80).map((k) => `
+    <tr><td>${esc(k.key)}</td><td>${widget(k)}</td><td>${esc(k.value ?? "")}</td>
+    <td>${esc(k.default)}</td><td>${esc(k.help)}${k.min !== null || k.max !== null ? ` <i>(${k.min ?? ""}…${k.max ?? ""})</i>` : ""}</td></tr>`).join("");
+  document.querySelectorAll("#keys [data-key]").forEach((i) => i.addEventListener("change", () => {
+    keys.find((k) => k.key === i.dataset.key).entered = i.value;
+    $("#changed").textContent = overrides().join("\n");
   }));
 }
 $("#key-filter").addEventListener("input", renderKeys);
-const overrides = () => keys.filter((k) => k.value !== undefined && k.value !== "").map((k) => `${k.key}=${k.value}`);
+$("#changed-only").addEventListener("change", renderKeys);
+// What the form sends: `key=value` as `imglora train --set` takes it (a string's text becomes a TOML string).
+const asToml = (k) => (k.type === "str" || k.type === "choice" ? JSON.stringify(k.entered) : k.entered);
+const overrides = () => keys.filter((k) => k.entered !== undefined && k.entered !== "").map((k) => `${k.key}=${asToml(k)}`);
 const spec = () => ({preset: $("#preset").value, overrides: overrides()});
 
 $("#btn-check").onclick = async () => {
@@ -140,6 +180,25 @@ $("#btn-plan").onclick = async () => {
   $("#plan").textContent = "planning ...";
   try { $("#plan").textContent = (await api("/api/plan", {method: "POST", body: JSON.stringify({...spec(), gpu: $("#gpu").value})})).text; }
   catch (e) { $("#plan").textContent = e.message; }
+};
+$("#btn-cache").onclick = async () => {
+  try { const j = await api("/api/cache", {method: "POST", body: JSON.stringify(spec())}); pollJob(j.id, $("#cache-out")); }
+  catch (e) { $("#cache-out").textContent = e.message; }
+};
+$("#btn-estimate").onclick = async () => {
+  const out = $("#estimate");
+  out.innerHTML = "<tr><td>estimating ...</td></tr>";
+  try {
+    const r = await api("/api/estimate", {method: "POST", body: JSON.stringify({...spec(), gpu: $("#gpu").value,
+      offers: $("#offers").value.split("\n"), steps: Number($("#est-steps").value) || null,
+      idle_minutes: Number($("#est-idle").value) || 0})});
+    out.innerHTML = `<thead><tr><th>offer</th><th>card</th><th>setting</th><th>s/update</th><th>hours</th>
+      <th>cost (${esc(r.currency)})</th><th>basis</th></tr></thead><tbody>` + r.offers.map((o) => `
+      <tr class="offer" data-offer="${esc(o.offer)}"><td>${esc(o.offer)} (${o.rate}/h)</td><td>${esc(o.card)}</td>
+      <td>${esc(o.setting ?? "")}</td><td>${fmt(o.seconds_per_update)}</td><td>${fmt(o.hours, 2)}</td>
+      <td class="cost">${fmt(o.cost, 2)}</td><td>${esc(o.basis)}</td></tr>`).join("") +
+      `</tbody><caption>${r.steps} updates; ${esc(r.note)}</caption>`;
+  } catch (e) { out.innerHTML = `<tr><td class="error">${esc(e.message)}</td></tr>`; }
 };
 $("#btn-start").onclick = async () => {
   const check = await api("/api/check", {method: "POST", body: JSON.stringify(spec())});
@@ -154,20 +213,36 @@ $("#btn-start").onclick = async () => {
 };
 
 // ------------------------------------------------------------------------------ dataset
+// Each image with its loss mask laid over it (dark = not trained; the slider sets how strongly) and its
+// source images (edit pairs) beside it and, on hover, over it.
 $("#btn-dataset").onclick = async () => {
   try {
-    const d = await api(`/api/dataset?dir=${encodeURIComponent($("#dataset-dir").value)}`);
-    $("#dataset-warnings").innerHTML = d.warnings.map((w) => `<li>${esc(w)}</li>`).join("");
-    $("#gallery").innerHTML = d.items.map((it) => `<div class="item"><img src="/files/${encodeURI(it.image)}" alt="">
-      <div>${esc(it.image)}</div><textarea data-image="${esc(it.image)}">${esc(it.caption)}</textarea>
+    const q = new URLSearchParams({dir: $("#dataset-dir").value, mask_dir: $("#dataset-masks").value,
+                                   control_dir: $("#dataset-controls").value});
+    const d = await api(`/api/dataset?${q}`);
+    $("#dataset-warnings").innerHTML = d.problems.map((w) => `<li class="problem">${esc(w)}</li>`).join("") +
+      d.warnings.map((w) => `<li>${esc(w)}</li>`).join("");
+    $("#gallery").innerHTML = d.items.map((it) => `<div class="item">
+      <div class="stack"><img src="/files/${encodeURI(it.image)}" alt="">
+        ${it.mask ? `<img class="mask" src="/files/${encodeURI(it.mask)}" alt="mask ${esc(it.mask)}">` : ""}
+        ${it.controls.length ? `<img class="source" src="/files/${encodeURI(it.controls[0])}" alt="source">` : ""}</div>
+      ${it.controls.length ? `<div class="sources">${it.controls.map((c) =>
+        `<img src="/files/${encodeURI(c)}" alt="source ${esc(c)}" title="source: ${esc(c)}">`).join("")}</div>` : ""}
+      <div>${esc(it.image)}${it.mask ? ` <span class="tag">mask</span>` : ""}${it.controls.length ? ` <span class="tag">${it.controls.length} source(s)</span>` : ""}</div>
+      <textarea data-image="${esc(it.image)}">${esc(it.caption)}</textarea>
       ${it.warnings.map((w) => `<div class="warn">${esc(w)}</div>`).join("")}<span class="saved"></span></div>`).join("");
+    setOverlay();
     document.querySelectorAll("#gallery textarea").forEach((t) => t.addEventListener("change", async () => {
       const r = await api("/api/caption", {method: "PUT", body: JSON.stringify({image: t.dataset.image, caption: t.value})});
-      t.nextElementSibling && (t.parentElement.querySelector(".saved").textContent = "saved");
+      t.parentElement.querySelector(".saved").textContent = "saved";
       t.value = r.caption;
     }));
   } catch (e) { $("#dataset-warnings").innerHTML = `<li>${esc(e.message)}</li>`; }
 };
+function setOverlay() {
+  document.querySelectorAll("#gallery img.mask").forEach((m) => (m.style.opacity = $("#overlay").value / 100));
+}
+$("#overlay").addEventListener("input", setOverlay);
 
 // ------------------------------------------------------------------------------ tools
 const tool = (path, body) => async () => {
