@@ -320,6 +320,14 @@ def test_export_job_writes_into_a_comfyui_folder(client, trained) -> None:
     assert done["returncode"] == 0, done["tail"]
     assert list((comfy / "models" / "loras").glob("*.safetensors"))
     assert client.post("/api/runs/done/export", json={"comfyui": "/tmp"}).status_code == 403
+    job = client.post("/api/runs/done/export", json={}).json()  # no folder: the run's export/, to download
+    assert _wait(lambda: (j := client.get(f"/api/jobs/{job['id']}").json()) and not j["running"] and j)["returncode"] == 0
+    exports = client.get("/api/runs/done").json()["exports"]
+    assert exports == ["runs/done/export/done.safetensors", "runs/done/export/done.workflow-api.json",
+                       "runs/done/export/done.workflow.json"]
+    got = client.get(f"/files/{exports[0]}")
+    assert got.status_code == 200 and got.content == (trained / exports[0]).read_bytes()
+    assert 'filename="done.safetensors"' in got.headers["content-disposition"]
 
 
 @pytest.mark.slow

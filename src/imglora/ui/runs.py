@@ -135,6 +135,9 @@ def detail(run: Path, root: Path) -> dict[str, Any]:
     out["eval_losses"] = eval_losses(run, root, evals)
     files = sorted((run / "adapter").glob("*.safetensors")) if (run / "adapter").is_dir() else []
     out["adapter"] = str(files[0].relative_to(root)) if files else None  # the download
+    exported = run / "export"  # `imglora export RUN`: the ComfyUI-form file and its workflows
+    out["exports"] = sorted(str(p.relative_to(root)) for p in exported.iterdir()
+                            if p.suffix in (".safetensors", ".json") and p.is_file()) if exported.is_dir() else []
     return out
 
 

@@ -86,7 +86,8 @@ async function openRun(name) {
   $("#sheets").innerHTML = d.sheets.filter((p) => !(el && p === el.plot)).map((p) => `<figure><img src="/files/${encodeURI(p)}" alt="${esc(p)}"><figcaption>${esc(p)}</figcaption></figure>`).join("");
   const link = $("#adapter-link");
   link.hidden = !d.adapter;
-  if (d.adapter) { link.href = `/files/${encodeURI(d.adapter)}`; link.textContent = "download adapter"; }
+  if (d.adapter) { link.href = `/files/${encodeURI(d.adapter)}`; link.textContent = "download adapter (diffusers form)"; }
+  $("#exports").innerHTML = d.exports.map((p) => `<a href="/files/${encodeURI(p)}" download>${esc(p.split("/").pop())}</a>`).join(" ");
   if (source) source.close();
   const last = rows.length ? rows[rows.length - 1].step : -1;
   source = new EventSource(`/api/runs/${encodeURIComponent(name)}/events?after=${last}`);
