@@ -22,15 +22,17 @@
 #       last: the first H200 run measured it where the other two crashed)
 #   2 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
 #   3 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, the GPU
-#   4 diagnose, only when a bench setting crashed or trained a NaN: one update of the swapped setting
-#     with CUDA_LAUNCH_BLOCKING=1 and bench-swap --detect-anomaly (DIR/diagnose/)
+#   4 diagnose, only when a bench setting crashed or trained a NaN: the swapped setting again with
+#     memory.attention_kernel = "math" (3 updates, DIR/diagnose-math/: finite there = a fused attention
+#     kernel is the cause), then one update of it with CUDA_LAUNCH_BLOCKING=1 and bench-swap
+#     --detect-anomaly (DIR/diagnose/)
 #   5 imglora plan (the prediction for the same settings; needs no GPU)
 #   6 benchmarks/gpu_summary.py: each target with PASS / FAIL / NOT MEASURED, the plan's prediction
 #     next to each measured peak; DIR/summary.md is the same in Markdown for docs/benchmarks.md
 #
 # Everything lands in DIR (default gpu-check-<timestamp>): check.log (all output), steps.tsv,
 # probe.json, pytest-gpu.xml, bench-flux/ (bench.json, .csv, .png, one folder per setting),
-# diagnose/ (if it ran), plan.json, summary.md. Exit status: 0 when every target passes (dry run: when every step ran),
+# diagnose-math/ and diagnose/ (if they ran), plan.json, summary.md. Exit status: 0 when every target passes (dry run: when every step ran),
 # 1 otherwise (CUDA unavailable without --dry-run: at once), 2 on a usage error.
 #
 # Environment: PYTHON (default: the first of python3, python that has torch); GPU_CHECK_PIP=0 never
@@ -351,7 +353,15 @@ elif [ "$DEPS_OK" -ne 1 ]; then
 else
     bench_trouble
     case $? in
-        1) NOTE="CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection, one update of $SWAPPED"
+        1) # a: the same setting with PyTorch's math attention kernel, asynchronous as before (3 updates: the
+           #    first H200 run went NaN from the second): finite here = a fused attention kernel is the cause
+           NOTE="memory.attention_kernel = math, asynchronous, 3 updates of $SWAPPED"
+           run_step diagnose-math "$(budget 75)" "${IMGLORA[@]}" bench-swap "$PRESET" \
+               ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks "$SWAPPED" \
+               --steps 2 --warmup 1 --set memory.swap_prefetch=1 --set 'memory.attention_kernel="math"' \
+               --timeout 65 --out "$OUT/diagnose-math"
+           # b: launch-blocking (an ordering fault goes away) with anomaly detection (names the first NaN op)
+           NOTE="CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection, one update of $SWAPPED"
            CUDA_LAUNCH_BLOCKING=1 run_step diagnose "$(budget 100)" "${IMGLORA[@]}" bench-swap "$PRESET" \
                ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks "$SWAPPED" \
                --steps 1 --warmup 1 --detect-anomaly --set memory.swap_prefetch=1 --timeout 90 \
@@ -376,7 +386,7 @@ echo
 echo "== [summary]"
 t0=$SECONDS
 timeout "$RESERVE" "$PY" benchmarks/gpu_summary.py --probe "$OUT/probe.json" --bench "$OUT/bench-flux/bench.json" \
-    --plan "$OUT/plan.json" --junit "$OUT/pytest-gpu.xml" --steps "$STEPS" --md "$OUT/summary.md" \
+    --plan "$OUT/plan.json" --junit "$OUT/pytest-gpu.xml" --steps "$STEPS" --md "$OUT/summary.md" --diagnose "$OUT" \
     "${SUMMARY_ARGS[@]}"
 rc=$?
 echo "== [summary] exit $rc in $((SECONDS - t0)) s; the check took $(elapsed) s (limit ${TOTAL} s)"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -124,9 +125,17 @@ def plan_by_setting(plan: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return {s["setting"]: s for s in (plan or {}).get("settings", []) if isinstance(s, dict) and "setting" in s}
 
 
+def _timed(r: dict[str, Any] | None) -> bool:
+    """A result that finished and has its timing (a partial or hand-made one may not)."""
+    return (r is not None and r.get("status") == "ok"
+            and isinstance((r.get("sec_per_update") or {}).get("median"), (int, float)))
+
+
 def _not_ok(r: dict[str, Any] | None, name: str) -> str:
     if r is None:
         return f"{name} has no result"
+    if r.get("status") == "ok":
+        return f"{name}: finished without a timing (sec_per_update)"
     err = (r.get("error") or "").splitlines()
     return f"{name}: {r.get('status')} at stage {r.get('stage', '?')}" + (f" ({err[0][:120]})" if err else "")
 
@@ -144,8 +153,7 @@ def evaluate(bench: dict[str, Any] | None, bench_why: str | None, plan: dict[str
         rows.append({"target": TARGETS[key], "measured": value, "plan": predicted, "verdict": verdict})
 
     stand_in = "" if swapped == "fp8:18" else f" ({swapped} stands in for fp8:18)"
-    sw_ok = sw is not None and sw.get("status") == "ok"
-    ref_ok = ref is not None and ref.get("status") == "ok"
+    sw_ok, ref_ok = _timed(sw), _timed(ref)
     p = planned.get(swapped, {})
     predicted_peak = f"{gib(p['device_peak_bytes'])} GiB" if p.get("device_peak_bytes") is not None else "—"
 
@@ -252,7 +260,7 @@ def bench_rows(bench: dict[str, Any] | None, plan: dict[str, Any] | None) -> lis
     out = []
     for r in (bench or {}).get("results", []):
         p = planned.get(r.get("setting"), {})
-        if r.get("status") != "ok":
+        if not _timed(r):
             out.append([r.get("setting", "?"), _not_ok(r, r.get("setting", "?"))] + ["—"] * 8
                        + [gib(p.get("device_peak_bytes")), gib(p.get("host_peak_bytes"))])
             continue
@@ -415,6 +423,35 @@ def environment_line(bench: dict[str, Any] | None, probe: dict[str, Any] | None)
     return "unknown (no bench result)"
 
 
+DIAGNOSES = (("diagnose-math", "math attention kernel, asynchronous"),
+             ("diagnose", "CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection"))
+
+
+def diagnosis_lines(folder: Path | None) -> list[str]:
+    """What the diagnose step's runs found (DIR/diagnose-math, DIR/diagnose): per run, its losses and
+    whether they are finite, or how it failed."""
+    out = []
+    for sub, label in DIAGNOSES:
+        if folder is None:
+            break
+        bench, why = read_bench(folder / sub / "bench.json")
+        if bench is None:
+            if (folder / sub).exists():
+                out.append(f"{label}: no result ({why})")
+            continue
+        for r in bench.get("results", []):
+            losses = r.get("losses") or []
+            finite = all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
+            shown = ", ".join(f"{x:.6f}" if isinstance(x, (int, float)) else str(x) for x in losses)
+            if r.get("status") == "ok":
+                out.append(f"{label}, {r.get('setting')}: losses [{shown}] "
+                           + ("all finite" if finite and losses else "NOT FINITE"))
+            else:
+                out.append(f"{label}, {r.get('setting')}: {r.get('status')} in {r.get('stage')}: "
+                           f"{str(r.get('error') or '').strip()[:300]}")
+    return out
+
+
 def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]]]:
     """(text for the terminal, Markdown, exit status, the target rows)."""
     probe, probe_why = read_json(args.probe)
@@ -463,6 +500,9 @@ def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]
     text += text_table(BENCH_COLUMNS, bench_rows(bench, plan)) if bench else [f"  no result: {bench_why}"]
     text += [f"  {plan_note}" + (f"; fastest setting that fits: {fit}" if plan else "")]
     text += [f"  {line}" for line in prefetch_lines(bench) + detail_lines(bench)]
+    diagnosis = diagnosis_lines(getattr(args, "diagnose", None))
+    if diagnosis:
+        text += ["", "Diagnosis:"] + [f"  {line}" for line in diagnosis]
     text += ["", "Probe:"] + ([f"  {k}: {v}" for k, v in probe_rows(probe)] or [f"  no result: {probe_why}"])
     if steps:
         text += ["", "Steps:"] + text_table(["step", "status", "exit", "seconds", "note"],
@@ -484,6 +524,8 @@ def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]
             if terms:
                 md += [f"Plan terms for `{s.get('setting')}`: " + ", ".join(
                     f"{k} {v / GiB:.2f} GiB" for k, v in terms.items() if isinstance(v, (int, float))) + ".", ""]
+    if diagnosis:
+        md += ["Diagnosis (the bench crashed or trained a NaN):", ""] + [f"- {line}" for line in diagnosis] + [""]
     md += ["`python benchmarks/gpu_probe.py`:", ""]
     md += (md_table(["figure", "value"], probe_rows(probe)) if probe else [f"No probe result: {probe_why}."]) + [""]
     if steps:
@@ -500,6 +542,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--junit", type=Path, help="pytest's JUnit XML")
     ap.add_argument("--steps", type=Path, help="the check's step log (tab-separated)")
     ap.add_argument("--md", type=Path, help="write the Markdown summary here")
+    ap.add_argument("--diagnose", type=Path, help="the check's folder: its diagnose-math/ and diagnose/ runs")
     ap.add_argument("--dry-run", action="store_true", help="a CPU dry run: no target is measured")
     ap.add_argument("--swapped", default="fp8:18", help="the setting the swap targets are about (default fp8:18)")
     ap.add_argument("--reference", default="fp8:0", help="the setting without swap (default fp8:0)")

@@ -341,6 +341,27 @@ def test_summary_a_setting_that_ran_out_of_memory(summary_mod, tmp_path) -> None
     assert "fp8:18: oom at stage forward" in text
 
 
+def test_summary_reports_each_diagnosis_run(summary_mod, tmp_path) -> None:
+    """The diagnose step's runs, as the summary reads them: a math-kernel run whose losses stay finite
+    (the fused kernel to blame) and a launch-blocking run that anomaly detection stopped, named."""
+    (tmp_path / "diagnose-math").mkdir()
+    (tmp_path / "diagnose").mkdir()
+    (tmp_path / "diagnose-math" / "bench.json").write_text(json.dumps({"results": [
+        {"setting": "fp8:18", "status": "ok", "losses": [3.382047, 3.1, 2.9]}]}))
+    (tmp_path / "diagnose" / "bench.json").write_text(json.dumps({"results": [
+        {"setting": "fp8:18", "status": "error", "stage": "update 1: backward",
+         "error": "Function 'ScaledDotProductFlashAttentionBackward0' returned nan values in its 0th output."}]}))
+    lines = summary_mod.diagnosis_lines(tmp_path)
+    assert lines == [
+        "math attention kernel, asynchronous, fp8:18: losses [3.382047, 3.100000, 2.900000] all finite",
+        "CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection, fp8:18: error in update 1: backward: Function "
+        "'ScaledDotProductFlashAttentionBackward0' returned nan values in its 0th output."]
+    (tmp_path / "diagnose-math" / "bench.json").write_text(json.dumps({"results": [
+        {"setting": "fp8:18", "status": "ok", "losses": [3.38, float("nan")]}]}))
+    assert summary_mod.diagnosis_lines(tmp_path)[0].endswith("losses [3.380000, nan] NOT FINITE")
+    assert summary_mod.diagnosis_lines(tmp_path / "nothing") == [] and summary_mod.diagnosis_lines(None) == []
+
+
 def test_summary_without_plan_says_so_and_still_judges(summary_mod, tmp_path) -> None:
     folder = _write_inputs(tmp_path / "c", [_result("fp8:0", 0.50, 14 * GiB), _result("fp8:18", 0.52, 8 * GiB)],
                            plan=False)
@@ -479,9 +500,10 @@ def test_shellcheck_finds_nothing_if_installed() -> None:
 
 @pytest.mark.slow
 def test_a_bench_that_trained_nan_is_diagnosed_with_launch_blocking_and_anomaly_detection(tmp_path) -> None:
-    """As after the first H200 run's bench (NaN from the second update): the diagnose step runs one
-    update of the swapped setting again with CUDA_LAUNCH_BLOCKING=1 and --detect-anomaly (here on
-    the CPU, where the tiny model trains finite losses, so the step passes)."""
+    """As after the first H200 run's bench (NaN from the second update): the diagnose step runs the
+    swapped setting again with the math attention kernel, then one update of it with
+    CUDA_LAUNCH_BLOCKING=1 and --detect-anomaly (here on the CPU, where the tiny model trains finite
+    losses, so both pass)."""
     out = tmp_path / "check"
     (out / "bench-flux").mkdir(parents=True)
     nan = {"setting": "fp8:4", "status": "ok", "losses": [3.38, float("nan")]}
@@ -496,4 +518,16 @@ def test_a_bench_that_trained_nan_is_diagnosed_with_launch_blocking_and_anomaly_
     assert "--detect-anomaly" in log and "--blocks fp8:4" in log
     diag = json.loads((out / "diagnose" / "bench.json").read_text())
     assert [x["setting"] for x in diag["results"]] == ["fp8:4"] and diag["results"][0]["status"] == "ok"
+    # first, asynchronous as the bench, with PyTorch's math attention kernel: finite = a fused kernel's fault
+    assert status["diagnose-math"][0] == "ok" and "attention_kernel = math" in status["diagnose-math"][3]
+    assert '--set memory.attention_kernel="math"' in log
+    math = json.loads((out / "diagnose-math" / "bench.json").read_text())["results"][0]
+    assert math["status"] == "ok" and len(math["losses"]) == 3 and all(x == x for x in math["losses"])
+    assert log.index("== [diagnose-math]") < log.index("== [diagnose]")
+    # the summary says what each diagnosis found
+    summary = (out / "summary.md").read_text()
+    assert "Diagnosis (the bench crashed or trained a NaN):" in summary
+    shown = ", ".join(f"{x:.6f}" for x in math["losses"])
+    assert f"- math attention kernel, asynchronous, fp8:4: losses [{shown}] all finite" in summary
+    assert "- CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection, fp8:4: losses [" in summary
     assert r.returncode in (0, 1)  # the summary of a dry run without bench, pytest or probe steps

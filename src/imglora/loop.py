@@ -83,6 +83,7 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
 
     Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
     """
+    check_attention(cfg, device)
     lora_config = lora.inject(trainable.model, family, cfg.lora, cfg.train.seed)
     encoders = text_encoders(trainable)
     if encoders:  # lora.text_encoder: the same adapter on them; they stay in their dtype, on the device
@@ -93,6 +94,15 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
         for p in lora.trainable_parameters(module):
             p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
     return lora_config, apply_memory(trainable.model, family, cfg, device, out, blocks_to_swap)  # fp8, swap, device
+
+
+def check_attention(cfg: "Config", device: torch.device) -> None:
+    """Refuse a memory.attention_kernel that cannot run on ``device`` in the run's compute dtype (before
+    any model is loaded, where the caller can)."""
+    from .memory import attention
+
+    attention.check(cfg.memory.attention_kernel, device,
+                    attention.compute_dtype(devices.weight_dtype(cfg, device), devices.mixed_precision(cfg, device)))
 
 
 def text_encoders(trainable: "Trainable") -> dict[str, torch.nn.Module]:
@@ -184,7 +194,7 @@ def forward_loss(trainable: "Trainable", memory: MemorySetup, batch: dict[str, t
     """The family's loss on one micro-batch (block swapping's prefetch started first). ``generator``:
     one ``imglora.rng.SampleRNG`` (a generator per sample), or a ``torch.Generator``."""
     memory.before_forward()
-    with autocast():
+    with autocast(), memory.kernel():
         return trainable.loss(batch, generator)
 
 
@@ -204,12 +214,13 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     for m in micros:
         if m.batch is None:
             continue
-        s.enter("forward")
-        loss = forward_loss(s.trainable, s.memory, m.batch, m.rng, s.accelerator.autocast) / s.accum
-        if m.scale != 1.0:
-            loss = loss * m.scale
-        s.enter("backward")
-        s.accelerator.backward(loss)
+        with s.memory.kernel():  # (backward too: checkpointing recomputes the forward there)
+            s.enter("forward")
+            loss = forward_loss(s.trainable, s.memory, m.batch, m.rng, s.accelerator.autocast) / s.accum
+            if m.scale != 1.0:
+                loss = loss * m.scale
+            s.enter("backward")
+            s.accelerator.backward(loss)
         loss_sum += loss.detach()
     s.enter("optimizer")
     if s.accelerator.num_processes > 1:

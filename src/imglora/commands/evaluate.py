@@ -284,7 +284,8 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
                             continue
                         strength(s)
                         for i, e in enumerate(prompts_now()):
-                            grid[i][j] = sampler(e, seed)
+                            with memory.kernel():
+                                grid[i][j] = sampler(e, seed)
                             bar.update()
                         if s == 0:
                             base_images = [grid[i][j] for i in range(len(prompts))]

@@ -28,10 +28,18 @@ class MemorySetup:
     swapper: "BlockSwapper | None" = None
     offload: Any = None  # offload.OffloadingCheckpoint, with memory.offload_checkpoints
     facts: dict[str, Any] = field(default_factory=dict)  # for the run record
+    attention_kernel: str = "auto"  # memory.attention_kernel
 
     def before_forward(self) -> None:
         if self.swapper is not None:
             self.swapper.prepare_forward()
+
+    def kernel(self) -> Any:
+        """A context in which attention runs with memory.attention_kernel (a step's forward and backward,
+        the evaluation's sampling)."""
+        from .attention import context
+
+        return context(self.attention_kernel)
 
 
 def check_swap_counts(family: Any, src: "ModelSource", cfg: Any, blocks_to_swap: int | None = None) -> None:
@@ -67,6 +75,10 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     (``blocks_to_swap``, when given, replaces the preset's swap setting: the evaluation pass and
     benchmarks choose their own); the model ends on ``device``."""
     setup = _placed(model, family, cfg, device, out, blocks_to_swap)
+    setup.attention_kernel = cfg.memory.attention_kernel
+    if setup.attention_kernel != "auto":
+        setup.facts["attention_kernel"] = setup.attention_kernel
+        out(f"attention: PyTorch's {setup.attention_kernel} kernel only (memory.attention_kernel)")
     if cfg.memory.compile == "blocks":  # last: the swap engine's and offload's hooks stay outside the graphs
         from .compile import install
 
