@@ -73,7 +73,8 @@ class RunComplete(ImgloraError):
 
 def check_dependencies(cfg: "Config") -> None:
     """Packages the settings need, all named in one error with the one ``pip install`` that brings
-    them, before any model is loaded; nf4 also needs CUDA."""
+    them, before any model is loaded; nf4 also needs CUDA, and memory.attention_kernel a kernel
+    this machine has."""
     from importlib.util import find_spec
 
     needs: list[tuple[str, str]] = []  # (setting, package)
@@ -93,6 +94,9 @@ def check_dependencies(cfg: "Config") -> None:
     if nf4 and not torch.cuda.is_available():
         raise ImgloraError('memory.quantization = "nf4" needs a CUDA GPU; on this machine set memory.quantization = '
                            '"qint4"')
+    from . import devices, loop  # memory.attention_kernel: the kernel named must run on this machine
+
+    loop.check_attention(cfg, devices.default_device())
 
 
 def resume_point(run_dir: Path, cfg: "Config", families: Any) -> dict[str, Any]:

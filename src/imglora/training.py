@@ -65,7 +65,6 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
     resume.check_dependencies(cfg)
     src = resolve_model(cfg.model, family)
     check_swap_counts(family, src, cfg)
-    loop.check_attention(cfg, devices.default_device())
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
     # Trackers write from the main process only (one wandb run id, one TensorBoard folder).

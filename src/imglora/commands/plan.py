@@ -110,17 +110,13 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
                        "weights (text_encoders), adapter, optimizer state and activations are counted above")
     p.notes.append(time_note(card, bool(bench)))
     if cfg.memory.attention_kernel != "auto":
+        math = cfg.memory.attention_kernel == "math"
         p.notes.append(f"memory.attention_kernel = \"{cfg.memory.attention_kernel}\": planned as a fused attention "
                        "kernel" + (" (memory and time); the math kernel also holds each attention's full score "
-                                   "matrices while it runs (heads x tokens^2, in fp32: about 2 GiB at FLUX's 1024 px) "
-                                   "and is several times slower, so the peak and the time are higher than shown: a "
-                                   "setting for diagnosis, not for choosing a card" if cfg.memory.attention_kernel == "math"
+                                   "matrices while it runs (heads x tokens^2 in fp32: about 2 GiB at 24 heads and "
+                                   "4,608 tokens) and is several times slower, so the peak and the time are higher "
+                                   "than shown: a setting for diagnosis, not for choosing a card" if math
                                    else ", as PyTorch's default choice is"))
-    if bench:
-        compiled = [f"{r['setting']} {r['sec_per_update']['median']:.3f}" for r in bench.get("results", [])
-                    if r.get("status") == "ok" and "+compile" in str(r.get("setting"))]
-        if compiled:
-            p.notes.append(f"measured with compiled blocks (memory.compile = \"blocks\"), s/update: {', '.join(compiled)}")
     for sp in p.settings:
         if sp.time_note:
             p.notes.append(f"{sp.setting.name}: no time predicted: {sp.time_note}")
