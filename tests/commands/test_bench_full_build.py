@@ -5,6 +5,7 @@ architectures); the ``gpu`` test runs it on CUDA."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,43 @@ def test_random_weights_are_the_same_in_every_process() -> None:
         assert torch.equal(pa, pb), name
     assert not torch.equal(build(2)[0].weight, a[0].weight)  # the seed does
     assert float(a[0].weight.std()) == pytest.approx(0.02, rel=0.25)
+
+
+@pytest.fixture()
+def poisoned():
+    """Every allocation torch leaves uninitialised (torch.empty, empty_like, resize_ ...) filled with
+    NaN: a read before a write then shows as a NaN loss here, not only on a GPU, whose fresh memory
+    holds whatever was there (a CPU's fresh pages are zeros)."""
+    from accelerate.state import AcceleratorState
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.isnan(torch.empty(4)).all()  # the switch works on this torch
+    AcceleratorState._reset_state(True)  # bf16 mixed precision, as on a GPU, not another test's state
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.mark.parametrize("setting", ["fp8:2", "fp8c:2"])
+def test_no_uninitialised_memory_is_read_by_the_gpus_path(small, on_cpu_too, poisoned, setting) -> None:
+    """The GPU check's path, in process on the CPU: the full architecture (shrunk) made part by part,
+    fp8, swapped blocks, offloaded checkpoint boundaries, bf16 autocast, four updates. With every
+    uninitialised allocation full of NaN, the losses and gradient norms stay finite (the first H200
+    run trained NaN from its second update; this rules out reads of memory never written on every
+    path the CPU shares with it)."""
+    precision, blocks = setting.split(":")
+    r = bench.run_setting({
+        "preset": str(REPO / "presets" / "flux.toml"), "setting": setting, "precision": precision,
+        "blocks": int(blocks), "compile": False, "steps": 3, "warmup": 1, "resolution": 128, "arch": "full",
+        "processes": 1, "detect_anomaly": False,
+        "overrides": ['model.dtype="bf16"', 'train.mixed_precision="bf16"', "memory.offload_checkpoints=true",
+                      "memory.swap_prefetch=1"]})
+    assert r["status"] == "ok", r.get("error")
+    assert len(r["losses"]) == 4 and all(math.isfinite(x) and x > 0 for x in r["losses"]), r["losses"]
+    assert len(r["grad_norms"]) == 4 and all(math.isfinite(g) and g > 0 for g in r["grad_norms"]), r["grad_norms"]
