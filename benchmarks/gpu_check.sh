@@ -20,12 +20,12 @@
 #       peak target is about; the result still records each block's measured copy and compute time
 #       and the depth auto would choose, memory.swap_prefetch = 0, the default; fp8c:18, fp8 compute,
 #       last: the first H200 run measured it where the other two crashed)
-#   2 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
-#   3 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, the GPU
-#   4 diagnose, only when a bench setting crashed or trained a NaN: the swapped setting again with
-#     memory.attention_kernel = "math" (3 updates, DIR/diagnose-math/: finite there = a fused attention
-#     kernel is the cause), then one update of it with CUDA_LAUNCH_BLOCKING=1 and bench-swap
-#     --detect-anomaly (DIR/diagnose/)
+#   2 diagnose, only when a bench setting crashed or trained a NaN (then it comes before the rest): the
+#     swapped setting again with memory.attention_kernel = "math" (3 updates, DIR/diagnose-math/:
+#     finite there = a fused attention kernel is the cause), then one update of it with
+#     CUDA_LAUNCH_BLOCKING=1 and bench-swap --detect-anomaly (DIR/diagnose/)
+#   3 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
+#   4 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, attention kernels, the GPU
 #   5 imglora plan (the prediction for the same settings; needs no GPU)
 #   6 benchmarks/gpu_summary.py: each target with PASS / FAIL / NOT MEASURED, the plan's prediction
 #     next to each measured peak; DIR/summary.md is the same in Markdown for docs/benchmarks.md
@@ -310,26 +310,9 @@ else
     skip bench "needs imglora's dependencies"
 fi
 
-# ------------------------------------------------------------------------------ 2: GPU tests
-if ! wanted pytest; then
-    skip pytest "not in GPU_CHECK_STEPS"
-elif [ "$DEPS_OK" -eq 1 ] && [ "$PYTEST_OK" -eq 1 ]; then
-    run_step pytest "$(budget 100)" "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
-else
-    skip pytest "needs pytest and imglora's dependencies"
-fi
-
-# ------------------------------------------------------------------------------ 3: probe
-if ! wanted probe; then
-    skip probe "not in GPU_CHECK_STEPS"
-elif [ "$TORCH_OK" -eq 1 ]; then
-    run_step probe "$(budget 50)" "$PY" benchmarks/gpu_probe.py --out "$OUT/probe.json"
-else
-    skip probe "torch is not importable"
-fi
-
-# ------------------------------------------------------------------------------ 4: diagnose
-# Only when the bench found something wrong: a setting that crashed, or losses that are not finite
+# ------------------------------------------------------------------------------ 2: diagnose
+# Right after the bench, and only when it found something wrong (then knowing why is worth more than
+# the steps after it): a setting that crashed, or losses that are not finite
 # (the first H200 run: an illegal memory access in two settings, NaN from the second update in all).
 # One update of the swapped setting again, with CUDA_LAUNCH_BLOCKING=1 (a crash that goes away then
 # is an ordering bug between streams or with host memory) and every backward under autograd's anomaly
@@ -369,6 +352,24 @@ else
         2) skip diagnose "the bench found nothing to diagnose" ;;
         *) skip diagnose "no bench.json to read" ;;
     esac
+fi
+
+# ------------------------------------------------------------------------------ 3: GPU tests
+if ! wanted pytest; then
+    skip pytest "not in GPU_CHECK_STEPS"
+elif [ "$DEPS_OK" -eq 1 ] && [ "$PYTEST_OK" -eq 1 ]; then
+    run_step pytest "$(budget 100)" "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest-gpu.xml"
+else
+    skip pytest "needs pytest and imglora's dependencies"
+fi
+
+# ------------------------------------------------------------------------------ 4: probe
+if ! wanted probe; then
+    skip probe "not in GPU_CHECK_STEPS"
+elif [ "$TORCH_OK" -eq 1 ]; then
+    run_step probe "$(budget 50)" "$PY" benchmarks/gpu_probe.py --out "$OUT/probe.json"
+else
+    skip probe "torch is not importable"
 fi
 
 # ------------------------------------------------------------------------------ 5: plan
