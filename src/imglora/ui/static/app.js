@@ -133,7 +133,12 @@ async function loadNew() {
 }
 async function loadKeys() {
   const entered = Object.fromEntries(keys.filter((k) => k.entered !== undefined).map((k) => [k.key, k.entered]));
-  keys = (await api(`/api/schema?preset=${encodeURIComponent($("#preset").value)}`)).keys;
+  try { keys = (await api(`/api/schema?preset=${encodeURIComponent($("#preset").value)}`)).keys; }
+  catch (e) {  // a preset with problems: its values cannot be shown, the form still can
+    keys = (await api("/api/schema")).keys;
+    $("#problems").textContent = e.message;
+    $("#problems").dataset.ok = "false";
+  }
   keys.forEach((k) => { if (k.key in entered) k.entered = entered[k.key]; });
   renderKeys();
 }
