@@ -164,6 +164,16 @@ def test_plan_for_a_card(client) -> None:
     assert "peak allocated" in body["text"] and body["plan"]["settings"]
 
 
+def test_schema_of_a_preset_with_problems_says_them(trained, tmp_path) -> None:
+    presets = tmp_path / "presets"
+    presets.mkdir()
+    (presets / "bad.toml").write_text('extends = "%s"\n[lora]\nrnak = 4\n' % (PRESETS / "tiny-flux.toml").as_posix())
+    c = TestClient(create_app(trained, presets=presets))
+    r = c.get("/api/schema", params={"preset": "bad.toml"})
+    assert r.status_code == 422 and "lora.rnak" in r.json()["error"] and "did you mean" in r.json()["error"].lower()
+    assert c.get("/api/schema").status_code == 200  # the form without the preset's values, as the page falls back
+
+
 def test_cost_per_offer_from_the_plan_of_the_card_it_names(client) -> None:
     from imglora.ui import costs
 
