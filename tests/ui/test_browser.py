@@ -99,7 +99,16 @@ def test_start_from_the_form_watch_the_curve_grow_and_stop(site) -> None:
     page.wait_for_selector("#estimate tr.offer")
     assert page.inner_text('#estimate tr.offer[data-offer="vast-4090"] td.cost') == f"{(400 * 1.5 + 600) / 3600 * 0.40:.2f}"
     assert "predicted for the H100 SXM" in page.inner_text('#estimate tr.offer[data-offer="runpod-h100"]')
-    # a bad value first: the same message `imglora config` gives, nothing started
+    # a bad key first (typed among the other keys): the message and hint `imglora config` gives, nothing started
+    page.fill("#extra", "lora.rnak=4")
+    page.click("#btn-start")
+    page.wait_for_function("document.querySelector('#problems').dataset.ok === 'false'")
+    problems = page.inner_text("#problems")
+    assert "--set lora.rnak: unknown key (did you mean \"rank\"?)" in problems
+    assert not (root / "runs" / "browser").exists()
+    page.fill("#extra", "")
+    page.evaluate("document.querySelector('#problems').dataset.ok = ''")
+    # then a bad value: the same message `imglora config` gives, nothing started
     page.fill("#key-filter", "lora.rank")
     assert page.get_attribute('#keys input[data-key="lora.rank"]', "type") == "number"
     assert page.get_attribute('#keys input[data-key="lora.rank"]', "min") == "1"

@@ -165,16 +165,20 @@ function renderKeys() {
   $("#keys tbody").innerHTML = keys.filter((k) => (!f || k.key.includes(f)) && (!changed || k.entered)).slice(0, 80).map((k) => `
     <tr><td>${esc(k.key)}</td><td>${widget(k)}</td><td>${esc(k.value ?? "")}</td>
     <td>${esc(k.default)}</td><td>${esc(k.help)}${k.min !== null || k.max !== null ? ` <i>(${k.min ?? ""}…${k.max ?? ""})</i>` : ""}</td></tr>`).join("");
-  document.querySelectorAll("#keys [data-key]").forEach((i) => i.addEventListener("change", () => {
+  // On every keystroke, not on leaving the field: the list of changes below grows as one types, so
+  // the buttons do not move between pressing and releasing the mouse on them.
+  document.querySelectorAll("#keys [data-key]").forEach((i) => ["input", "change"].forEach((ev) => i.addEventListener(ev, () => {
     keys.find((k) => k.key === i.dataset.key).entered = i.value;
     $("#changed").textContent = overrides().join("\n");
-  }));
+  })));
 }
 $("#key-filter").addEventListener("input", renderKeys);
 $("#changed-only").addEventListener("change", renderKeys);
 // What the form sends: `key=value` as `imglora train --set` takes it (a string's text becomes a TOML string).
 const asToml = (k) => (k.type === "str" || k.type === "choice" ? JSON.stringify(k.entered) : k.entered);
-const overrides = () => keys.filter((k) => k.entered !== undefined && k.entered !== "").map((k) => `${k.key}=${asToml(k)}`);
+const overrides = () => keys.filter((k) => k.entered !== undefined && k.entered !== "").map((k) => `${k.key}=${asToml(k)}`)
+  .concat($("#extra").value.split("\n").map((l) => l.trim()).filter((l) => l));
+$("#extra").addEventListener("input", () => ($("#changed").textContent = overrides().join("\n")));
 const spec = () => ({preset: $("#preset").value, overrides: overrides()});
 
 $("#btn-check").onclick = async () => {
