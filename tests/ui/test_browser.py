@@ -76,7 +76,7 @@ def test_start_from_the_form_watch_the_curve_grow_and_stop(site) -> None:
     page, root = site["page"], site["root"]
     page.goto(site["url"] + "/#new")
     page.select_option("#preset", "tiny-flux.toml")
-    page.wait_for_selector("#keys [data-key]")
+    page.wait_for_selector('#keys[data-preset="tiny-flux.toml"] [data-key]')  # that preset's values, not the first's
     for override in _overrides(root, "browser", steps=400, every=1000):
         key, value = override.split("=", 1)
         page.fill("#key-filter", key)
@@ -112,6 +112,7 @@ def test_start_from_the_form_watch_the_curve_grow_and_stop(site) -> None:
     page.fill("#key-filter", "lora.rank")
     assert page.get_attribute('#keys input[data-key="lora.rank"]', "type") == "number"
     assert page.get_attribute('#keys input[data-key="lora.rank"]', "min") == "1"
+    assert page.inner_text('#keys tr:has([data-key="lora.rank"]) td:nth-child(3)') == "8"  # tiny-flux's rank
     page.fill('#keys input[data-key="lora.rank"]', "-4")
     page.dispatch_event('#keys input[data-key="lora.rank"]', "change")
     changed = page.inner_text("#changed")

@@ -132,15 +132,20 @@ async function loadNew() {
   await loadKeys();
 }
 async function loadKeys() {
+  const preset = $("#preset").value;
   const entered = Object.fromEntries(keys.filter((k) => k.entered !== undefined).map((k) => [k.key, k.entered]));
-  try { keys = (await api(`/api/schema?preset=${encodeURIComponent($("#preset").value)}`)).keys; }
+  let got;
+  try { got = (await api(`/api/schema?preset=${encodeURIComponent(preset)}`)).keys; }
   catch (e) {  // a preset with problems: its values cannot be shown, the form still can
-    keys = (await api("/api/schema")).keys;
+    got = (await api("/api/schema")).keys;
     $("#problems").textContent = e.message;
     $("#problems").dataset.ok = "false";
   }
+  if (preset !== $("#preset").value) return;  // another preset was chosen meanwhile: its answer counts
+  keys = got;
   keys.forEach((k) => { if (k.key in entered) k.entered = entered[k.key]; });
   renderKeys();
+  $("#keys").dataset.preset = preset;
 }
 $("#preset").addEventListener("change", loadKeys);
 
