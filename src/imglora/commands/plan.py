@@ -109,6 +109,11 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
                        f"outputs can no longer be cached: they stay loaded and run in every update{kept}; their "
                        "weights (text_encoders), adapter, optimizer state and activations are counted above")
     p.notes.append(time_note(card, bool(bench)))
+    if bench:
+        compiled = [f"{r['setting']} {r['sec_per_update']['median']:.3f}" for r in bench.get("results", [])
+                    if r.get("status") == "ok" and "+compile" in str(r.get("setting"))]
+        if compiled:
+            p.notes.append(f"measured with compiled blocks (memory.compile = \"blocks\"), s/update: {', '.join(compiled)}")
     if cfg.memory.attention_kernel != "auto":
         math = cfg.memory.attention_kernel == "math"
         p.notes.append(f"memory.attention_kernel = \"{cfg.memory.attention_kernel}\": planned as a fused attention "
