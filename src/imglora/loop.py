@@ -83,7 +83,6 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
 
     Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
     """
-    check_attention(cfg, device)
     lora_config = lora.inject(trainable.model, family, cfg.lora, cfg.train.seed)
     encoders = text_encoders(trainable)
     if encoders:  # lora.text_encoder: the same adapter on them; they stay in their dtype, on the device
@@ -214,12 +213,12 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     for m in micros:
         if m.batch is None:
             continue
-        with s.memory.kernel():  # (backward too: checkpointing recomputes the forward there)
-            s.enter("forward")
-            loss = forward_loss(s.trainable, s.memory, m.batch, m.rng, s.accelerator.autocast) / s.accum
-            if m.scale != 1.0:
-                loss = loss * m.scale
-            s.enter("backward")
+        s.enter("forward")
+        loss = forward_loss(s.trainable, s.memory, m.batch, m.rng, s.accelerator.autocast) / s.accum
+        if m.scale != 1.0:
+            loss = loss * m.scale
+        s.enter("backward")
+        with s.memory.kernel():  # the kernel forward_loss used: checkpointing recomputes the forward here
             s.accelerator.backward(loss)
         loss_sum += loss.detach()
     s.enter("optimizer")

@@ -344,6 +344,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     trace(stage)
     t0 = time.perf_counter()
     try:
+        loop.check_attention(cfg, device)  # before the model is made
         accelerator = loop.accelerator_for(cfg)
         if spec["arch"] == "full":
             # On CUDA made there block by block (quantized, swapped blocks sent to the host) rather

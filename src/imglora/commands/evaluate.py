@@ -192,6 +192,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     with peaks.phase("resolve_model"):
         src = resolve_model(cfg.model, family)
         check_swap_counts(family, src, cfg, swap)
+        loop.check_attention(cfg, device)
     with peaks.phase("cache"):  # held-out images are cached with the training images; usually all reused
         data = family.prepare_data(cfg, src, device)
     held = list(data.validation)

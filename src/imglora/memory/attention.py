@@ -22,9 +22,6 @@ import torch
 
 from ..errors import ImgloraError
 
-CHOICES = ("auto", "flash", "efficient", "cudnn", "math")
-
-
 def backend(kernel: str) -> Any:
     from torch.nn.attention import SDPBackend
 

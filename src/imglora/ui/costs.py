@@ -13,15 +13,14 @@ from typing import Any, Callable
 from .. import economics as ec
 from .. import plan_time
 from ..errors import ImgloraError
-
-GiB = 1024**3
+from ..plan import GiB
 
 
 def card_of(offer_name: str, default: str) -> str:
     """The card an offer names ("runpod H100 PCIe", "vast-rtx4090"), longest name first; else ``default``."""
-    text = re.sub(r"[\s_]+", "-", offer_name.lower())
+    text = re.sub(r"[\s_]+", "-", offer_name.lower()).replace("rtx-", "").replace("rtx", "")
     for key in sorted(plan_time.GPUS, key=len, reverse=True):
-        if re.search(rf"(?<![0-9a-z]){re.escape(key)}(?![0-9])", text.replace("rtx-", "").replace("rtx", "")):
+        if re.search(rf"(?<![0-9a-z]){re.escape(key)}(?![0-9])", text):
             return key
     return default
 

@@ -153,19 +153,22 @@ def eval_losses(run: Path, root: Path, evals: list[dict[str, Any]]) -> dict[str,
     for r in evals:  # later evaluations' sheets replace earlier ones
         sheets.update((r.get("outputs") or {}).get("sheets") or {})
 
-    def rel(path: Any) -> str | None:
-        try:
-            return str(Path(path).resolve().relative_to(root)) if path else None
-        except ValueError:
-            return None
-
     best = table.get("best_step")
-    rows = [{"step": r.get("step"), "heldout": r.get("heldout"), "train": r.get("train"), "adapter": rel(r.get("adapter")),
-             "sheet": rel(sheets.get(str(r.get("step")))), "best": r.get("step") == best}
-            for r in table.get("checkpoints", [])]
+    rows = [{"step": r.get("step"), "heldout": r.get("heldout"), "train": r.get("train"),
+             "adapter": inside_root(r.get("adapter"), root), "sheet": inside_root(sheets.get(str(r.get("step"))), root),
+             "best": r.get("step") == best} for r in table.get("checkpoints", [])]
     plot = run / "eval" / "loss_vs_step.png"
     return {"checkpoints": rows, "best_step": best, "base": table.get("base"),
-            "plot": rel(plot) if plot.is_file() else None}
+            "plot": inside_root(plot, root) if plot.is_file() else None}
+
+
+def inside_root(path: Any, root: Path) -> str | None:
+    """``path`` (symlinks resolved) relative to ``root``, or None when there is none or it leads out of
+    the root (a page shows only what /files would serve)."""
+    try:
+        return str(Path(path).resolve().relative_to(root)) if path else None
+    except ValueError:
+        return None
 
 
 def smooth(values: list[Any], alpha: float = 0.9) -> list[float | None]:

@@ -57,6 +57,11 @@ def inside(root: Path, relative: str) -> Path:
     return resolved
 
 
+def as_sets(overrides: list[Any]) -> list[str]:
+    """``KEY=VALUE`` overrides as the CLI's ``--set KEY=VALUE`` arguments."""
+    return [x for o in overrides for x in ("--set", str(o))]
+
+
 class Launcher:
     """CLI commands started as processes of their own session (they outlive the page and the server);
     their output goes to a log file the page tails."""
@@ -177,7 +182,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         if not started.is_file():
             raise Refused(409, f"{name} was not started from the UI; resume it with `imglora train PRESET --resume`")
         spec = json.loads(started.read_text())
-        argv = ["train", spec["preset"], *[x for o in spec.get("overrides", []) for x in ("--set", o)], "--resume"]
+        argv = ["train", spec["preset"], *as_sets(spec.get("overrides", [])), "--resume"]
         return launcher.start("resume", argv, run / rv.UI_LOG)
 
     @app.post("/api/runs")
@@ -199,7 +204,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         if rv.lock_info(run) is not None:
             raise Refused(409, f"{run.name} is running already")
         (run / rv.UI_RUN).write_text(json.dumps({"preset": str(preset), "overrides": overrides}))
-        argv = ["train", str(preset), *[x for o in overrides for x in ("--set", o)]]
+        argv = ["train", str(preset), *as_sets(overrides)]
         return {"run": run.name, **launcher.start("train", argv, run / rv.UI_LOG)}
 
     # ------------------------------------------------------------------------------- presets and config
@@ -246,16 +251,18 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
             return {"ok": False, "problems": str(exc)}
         return {"ok": True, "problems": "", "toml": cfg.to_toml(), "notes": list(cfg.notes)}
 
-    plans: dict[tuple[Any, ...], Any] = {}  # (preset, overrides, card, mtime): the plan, made once
+    plans: dict[tuple[Any, ...], tuple[Any, str]] = {}  # (preset, overrides, card, mtime): (plan, its text)
 
-    def plan_for(preset: Path, overrides: tuple[str, ...], card: str, lines: list[str] | None = None) -> Any:
+    def plan_for(preset: Path, overrides: tuple[str, ...], card: str) -> tuple[Any, str]:
+        """The plan for ``card`` and its printed table, made once (Plan and Estimate share it)."""
         from ..commands import plan as plan_cmd
 
         key = (str(preset), overrides, card, preset.stat().st_mtime_ns)  # (an edited preset: a new plan)
-        if key not in plans or lines is not None:
-            plans[key] = plan_cmd.run(str(preset), overrides, blocks=None, resolution=None, vram=None, host_ram=None,
-                                      bench_file=None, device="cuda", json_out=None,
-                                      out=(lines.append if lines is not None else lambda s: None), gpu=card)
+        if key not in plans:
+            lines: list[str] = []
+            p = plan_cmd.run(str(preset), overrides, blocks=None, resolution=None, vram=None, host_ram=None,
+                             bench_file=None, device="cuda", json_out=None, out=lines.append, gpu=card)
+            plans[key] = p, "\n".join(lines)
         return plans[key]
 
     @app.post("/api/plan")
@@ -264,13 +271,12 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
 
         body = await request.json()
         preset = _preset_path(body.get("preset", ""))
-        lines: list[str] = []
         try:
-            p = await asyncio.to_thread(plan_for, preset, tuple(body.get("overrides", [])), body.get("gpu") or "h200",
-                                        lines)
+            p, text = await asyncio.to_thread(plan_for, preset, tuple(body.get("overrides", [])),
+                                              body.get("gpu") or "h200")
         except ImgloraError as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
-        return {"text": "\n".join(lines), "plan": p.to_dict()}
+        return {"text": text, "plan": p.to_dict()}
 
     @app.post("/api/estimate")
     async def estimate(request: Request) -> Any:
@@ -297,7 +303,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
             currency = cfg.train.budget.currency
             rows = await asyncio.to_thread(costs.offer_rows, offers, body.get("gpu") or "h200", steps,
                                            cfg.train.checkpoint_every, idle, currency,
-                                           lambda card: plan_for(preset, overrides, card))
+                                           lambda card: plan_for(preset, overrides, card)[0])
         except (ImgloraError, ValueError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
         return {"steps": steps, "currency": currency, "idle_minutes": idle, "offers": [r.to_dict() for r in rows],
@@ -335,10 +341,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         controls_of = {item.path: item.controls for item in found}
 
         def rel(path: Path | None) -> str | None:
-            try:
-                return None if path is None else str(path.resolve().relative_to(root))
-            except ValueError:  # a symlink out of the root: not shown (/files would refuse it)
-                return None
+            return rv.inside_root(path, root)
 
         def names(message: str, image: Path) -> bool:  # the file's path, or its name as a word of its own
             return str(image) in message or re.search(rf"(?<![\w/.-]){re.escape(image.name)}(?![\w.-])", message) is not None
@@ -394,8 +397,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, presets: str |
         for training (its progress lines in the job's output)."""
         body = await request.json()
         preset = _preset_path(body.get("preset", ""))
-        overrides = [x for o in body.get("overrides", []) for x in ("--set", str(o))]
-        return launcher.start("cache", ["cache-latents", str(preset), *overrides],
+        return launcher.start("cache", ["cache-latents", str(preset), *as_sets(body.get("overrides", []))],
                               root / ".imglora-ui" / "cache-latents.log")
 
     @app.post("/api/fetch")

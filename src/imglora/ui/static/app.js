@@ -122,9 +122,9 @@ $("#btn-eval").onclick = () => runAction(`/api/runs/${encodeURIComponent(current
 $("#btn-export").onclick = () => runAction(`/api/runs/${encodeURIComponent(current)}/export`, {comfyui: $("#export-comfyui").value});
 
 // ------------------------------------------------------------------------------ new run
-// The form is made from the typed config (/api/schema): a checkbox-like choice for booleans, a list
-// for choices, number fields with the schema's range, text for strings (sent as TOML strings) and
-// TOML for lists and tables. An empty field keeps the preset's value.
+// The form is made from the typed config (/api/schema): a list for true/false and for choices, number
+// fields with the schema's range, text for strings (sent as TOML strings) and TOML for lists and
+// tables. An empty field keeps the preset's value.
 let keys = [];
 async function loadNew() {
   const presets = (await api("/api/presets")).presets;
@@ -196,10 +196,6 @@ $("#btn-plan").onclick = async () => {
   try { $("#plan").textContent = (await api("/api/plan", {method: "POST", body: JSON.stringify({...spec(), gpu: $("#gpu").value})})).text; }
   catch (e) { $("#plan").textContent = e.message; }
 };
-$("#btn-cache").onclick = async () => {
-  try { const j = await api("/api/cache", {method: "POST", body: JSON.stringify(spec())}); pollJob(j.id, $("#cache-out")); }
-  catch (e) { $("#cache-out").textContent = e.message; }
-};
 $("#btn-estimate").onclick = async () => {
   const out = $("#estimate");
   out.innerHTML = "<tr><td>estimating ...</td></tr>";
@@ -260,10 +256,11 @@ function setOverlay() {
 $("#overlay").addEventListener("input", setOverlay);
 
 // ------------------------------------------------------------------------------ tools
-const tool = (path, body) => async () => {
-  try { const j = await api(path, {method: "POST", body: JSON.stringify(body())}); pollJob(j.id, $("#tools-out")); }
-  catch (e) { $("#tools-out").textContent = e.message; }
+const tool = (path, body, out = "#tools-out") => async () => {
+  try { const j = await api(path, {method: "POST", body: JSON.stringify(body())}); pollJob(j.id, $(out)); }
+  catch (e) { $(out).textContent = e.message; }
 };
+$("#btn-cache").onclick = tool("/api/cache", spec, "#cache-out");  // the New run form's values
 $("#btn-doctor").onclick = tool("/api/doctor", () => ({preset: $("#tools-preset").value}));
 $("#btn-fetch-dry").onclick = tool("/api/fetch", () => ({preset: $("#tools-preset").value, dry_run: true}));
 $("#btn-fetch").onclick = tool("/api/fetch", () => ({preset: $("#tools-preset").value}));
