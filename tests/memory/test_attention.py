@@ -46,9 +46,42 @@ def test_a_kernel_that_cannot_run_here_is_refused_with_the_reason() -> None:
         msg = str(err.value)
         assert msg.startswith(f'memory.attention_kernel = "{kernel}": PyTorch has no such kernel for this run '
                               "(cpu, float32 inputs)")
-        assert 'use "auto" (PyTorch\'s choice) or "math", or "flash"' in msg
+        assert msg.endswith('use "auto" or "math", or "flash"')
     for kernel in ("auto", "math", "flash"):
         attention.check(kernel, torch.device("cpu"), torch.float32)  # no error
+
+
+def test_auto_on_cuda_is_flash_then_efficient_then_math_never_cudnn() -> None:
+    """The list ``auto`` passes on CUDA, read back from PyTorch's own flags inside the context (the
+    flags are global, so this runs on a CPU build too): cuDNN off, the other three on, in that order."""
+    from torch.nn.attention import SDPBackend
+
+    assert attention.kernels("auto", "cuda") == ("flash", "efficient", "math")
+    assert attention.kernels("auto", "cpu") is None  # PyTorch's choice: no cuDNN kernel exists there
+    assert attention.kernels("cudnn", "cuda") == ("cudnn",)  # still selectable by name
+    before = torch._C._get_sdp_priority_order()
+    with attention.context("auto", "cuda"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+        order = list(torch._C._get_sdp_priority_order())
+        wanted = [int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.MATH)]
+        assert order[:3] == wanted
+    assert torch.backends.cuda.cudnn_sdp_enabled() and list(torch._C._get_sdp_priority_order()) == list(before)
+    with attention.context("auto", "cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # nothing changed off CUDA
+
+
+def test_a_session_on_cuda_would_enter_that_list(monkeypatch) -> None:
+    """MemorySetup.kernel() passes the device its model runs on: ``auto`` on CUDA leaves cuDNN out."""
+    from imglora.memory.wrap import MemorySetup
+
+    seen = []
+    real = attention.context
+    monkeypatch.setattr(attention, "context", lambda k, d="cpu": seen.append((k, d)) or real(k, d))
+    with MemorySetup(attention_kernel="auto", device_type="cuda").kernel():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert seen == [("auto", "cuda")]
 
 
 def test_training_refuses_it_before_the_model_loads(tmp_path, monkeypatch) -> None:

@@ -355,7 +355,8 @@ class MemoryConfig:
         "(CUDA graphs are not offered: swap and offload move tensors a captured graph cannot follow).", resume_safe=True)
     attention_kernel: Literal["auto", "flash", "efficient", "cudnn", "math"] = setting("auto", help="PyTorch's "
         "attention kernel for every attention of a step (forward, backward and checkpointing's recompute): auto = "
-        "PyTorch's choice; flash, efficient (memory-efficient), cudnn, or math (the reference: slowest, most memory) "
+        "on CUDA flash, then efficient, then math, never cuDNN (NaN gradients from its backward are reported on "
+        "H100/H200), elsewhere PyTorch's choice; flash, efficient (memory-efficient), cudnn, or math (the reference: slowest, most memory) "
         "to set a kernel aside that is broken or slow on a GPU and driver stack. A kernel that cannot run here is "
         "refused before the model loads.", resume_safe=True)
     blocks_to_swap: int = setting(0, help="Transformer blocks kept in host memory and streamed to the GPU as they "

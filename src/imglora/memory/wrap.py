@@ -29,6 +29,7 @@ class MemorySetup:
     offload: Any = None  # offload.OffloadingCheckpoint, with memory.offload_checkpoints
     facts: dict[str, Any] = field(default_factory=dict)  # for the run record
     attention_kernel: str = "auto"  # memory.attention_kernel
+    device_type: str = "cpu"  # where the model runs (``auto`` means another kernel list on CUDA)
 
     def before_forward(self) -> None:
         if self.swapper is not None:
@@ -39,7 +40,7 @@ class MemorySetup:
         the evaluation's sampling)."""
         from .attention import context
 
-        return context(self.attention_kernel)
+        return context(self.attention_kernel, self.device_type)
 
 
 def check_swap_counts(family: Any, src: "ModelSource", cfg: Any, blocks_to_swap: int | None = None) -> None:
@@ -75,10 +76,15 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     (``blocks_to_swap``, when given, replaces the preset's swap setting: the evaluation pass and
     benchmarks choose their own); the model ends on ``device``."""
     setup = _placed(model, family, cfg, device, out, blocks_to_swap)
-    setup.attention_kernel = cfg.memory.attention_kernel
+    setup.attention_kernel, setup.device_type = cfg.memory.attention_kernel, device.type
+    from .attention import kernels
+
+    chosen = kernels(setup.attention_kernel, device.type)
     if setup.attention_kernel != "auto":
         setup.facts["attention_kernel"] = setup.attention_kernel
         out(f"attention: PyTorch's {setup.attention_kernel} kernel only (memory.attention_kernel)")
+    elif chosen is not None:  # auto on CUDA: the run record says which kernels it allowed
+        setup.facts["attention_kernels"] = list(chosen)
     if cfg.memory.compile == "blocks":  # last: the swap engine's and offload's hooks stay outside the graphs
         from .compile import install
 
