@@ -224,8 +224,17 @@ def evaluate(bench: dict[str, Any] | None, bench_why: str | None, plan: dict[str
 
 
 def _first_nonfinite(r: dict[str, Any]) -> int | None:
-    bad = [i for i, x in enumerate(r.get("losses") or []) if not (isinstance(x, (int, float)) and abs(x) < float("inf"))]
+    """The first update (0-based) whose loss was not finite or whose gradients were (then skipped)."""
+    bad = [i for i, x in enumerate(r.get("losses") or []) if not (isinstance(x, (int, float)) and abs(x) < float("inf"))
+           or i in (r.get("skipped_updates") or ())]
     return bad[0] if bad else None
+
+
+def _bad_text(r: dict[str, Any], bad: int) -> str:
+    if bad in (r.get("skipped_updates") or ()):
+        return (f"gradients not finite at update {bad + 1} of {len(r['losses'])}, skipped "
+                f"(first in {r.get('first_nonfinite_gradient')}; {len(r['skipped_updates'])} skipped)")
+    return f"loss {r['losses'][bad]} at update {bad + 1} of {len(r['losses'])}"
 
 
 def losses_verdict(bench: dict[str, Any], sw: dict[str, Any] | None, ref: dict[str, Any] | None, swapped: str,
@@ -240,7 +249,7 @@ def losses_verdict(bench: dict[str, Any], sw: dict[str, Any] | None, ref: dict[s
         bad = _first_nonfinite(r)
         if bad is not None:
             good = False
-            parts.append(f"{r['setting']}: loss {r['losses'][bad]} at update {bad + 1} of {len(r['losses'])}")
+            parts.append(f"{r['setting']}: {_bad_text(r, bad)}")
     pair = next((a for a in bench.get("loss_agreement", [])
                  if {a.get("reference"), a.get("setting")} == {reference, swapped}), None)
     if pair is not None:

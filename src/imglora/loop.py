@@ -3,8 +3,9 @@
 ``Session`` holds what an update needs (the model with LoRA and its memory features, the optimizer,
 the schedule, mixed precision through accelerate); ``build_session`` makes it the same way wherever
 it is used, and ``step`` runs one update: the family's loss on each micro-batch, backward, clipping,
-the optimizer and the schedule. A step does the model's math and nothing else: no ``.item()`` (a
-host-device sync), no file I/O.
+the optimizer and the schedule. A step does the model's math and nothing else: no file I/O, and one
+``.item()`` (a host-device sync): the gradient norm, read to skip an update whose gradients are not
+finite before the optimizer writes them into the weights.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class Session:
     grad_norm: torch.Tensor | None = None  # the last update's gradient norm (before clipping), on the device
     on_stage: Callable[[str], None] | None = None  # told each stage as ``step`` enters it (bench's profile)
     direct: bool = False  # clip and step without accelerate's wrappers (see ``steps_directly``)
+    names: list[str] | None = None  # the name of each of ``params`` (a skipped update names the first bad one)
+    skipped: bool = False  # the last update was skipped: a gradient was NaN or infinite (see ``step``)
+    bad_gradient: str | None = None  # then: the first parameter whose gradient was not finite
+    update_loss: torch.Tensor | None = None  # the last update's loss (on the device; counted or not)
 
     def enter(self, stage: str) -> None:
         self.stage = stage
@@ -164,7 +169,14 @@ def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accel
                                                          device_placement=[memory.swapper is None, True])
     return Session(accelerator, trainable, memory, lora_config, params, optimizer, scheduler, cfg.train.grad_accum,
                    cfg.train.max_grad_norm, ema, modes,
-                   direct=steps_directly(accelerator) and _takes_set_to_none(optimizer))
+                   direct=steps_directly(accelerator) and _takes_set_to_none(optimizer),
+                   names=parameter_names(params, {"": trainable.model, **encoders}))
+
+
+def parameter_names(params: list[torch.nn.Parameter], modules: dict[str, torch.nn.Module]) -> list[str]:
+    """Each parameter's name in its module (``text_encoder:`` before a text encoder's)."""
+    names = {id(p): f"{part}:{n}" if part else n for part, m in modules.items() for n, p in m.named_parameters()}
+    return [names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
 
 
 def _takes_set_to_none(optimizer: Any) -> bool:
@@ -208,8 +220,12 @@ class Micro:
 
 def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
     """One optimizer update over ``micros`` (gradient accumulation); adds the update's loss to
-    ``loss_sum``, a device tensor, so nothing waits for the device here. With several processes the
-    gradients are summed over them before the optimizer step (each loss carries its share)."""
+    ``loss_sum``, a device tensor. With several processes the
+    gradients are summed over them before the optimizer step (each loss carries its share).
+
+    An update whose gradient norm is not finite is skipped (``s.skipped``; the first bad parameter in
+    ``s.bad_gradient``): no optimizer step, no schedule step, its loss not added to ``loss_sum``."""
+    update_loss = torch.zeros((), device=loss_sum.device)
     for m in micros:
         if m.batch is None:
             continue
@@ -220,22 +236,42 @@ def step(s: Session, micros: Iterable[Micro], loss_sum: torch.Tensor) -> None:
         s.enter("backward")
         with s.memory.kernel():  # the kernel forward_loss used: checkpointing recomputes the forward here
             s.accelerator.backward(loss)
-        loss_sum += loss.detach()
+        update_loss += loss.detach()
     s.enter("optimizer")
     if s.accelerator.num_processes > 1:
         distributed.sum_gradients(s.params)
-    # The norm comes with clipping; without it (max norm inf) the gradients are multiplied by 1.0, exactly.
-    if s.direct:
-        optimizer = s.optimizer.optimizer  # (accelerate's AcceleratedOptimizer holds the optimizer)
-        s.grad_norm = torch.nn.utils.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
-        optimizer.step()
+    if s.accelerator.scaler is not None:  # fp16: the norm and the check read the unscaled gradients
+        s.accelerator.unscale_gradients()
+    inner = s.optimizer.optimizer if s.direct else s.optimizer  # (accelerate's AcceleratedOptimizer holds it)
+    s.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in s.params if p.grad is not None])
+    # .item() is a host-device sync, the one of a step: a NaN or Inf gradient must never reach the
+    # weights (one bad element makes every adapter weight NaN through the optimizer), and whether to
+    # step is the host's decision. It waits for the backward, which the optimizer's step would anyway.
+    s.skipped = not math.isfinite(s.grad_norm.item())
+    if s.skipped:
+        s.bad_gradient = first_non_finite(s)
+        if s.accelerator.scaler is not None:
+            s.optimizer.step()  # fp16's loss scaler skips the step itself and lowers its scale (or it never would)
     else:
-        s.grad_norm = s.accelerator.clip_grad_norm_(s.params, s.max_grad_norm or math.inf)
-        s.optimizer.step()
-    if s.scheduler is not None:
-        s.scheduler.step()
-    (optimizer if s.direct else s.optimizer).zero_grad(set_to_none=True)
+        s.bad_gradient = None
+        loss_sum += update_loss
+        if s.max_grad_norm:  # (clip_grad_norm_'s own two halves; without clipping nothing is multiplied)
+            torch.nn.utils.clip_grads_with_norm_(s.params, s.max_grad_norm, s.grad_norm)
+        inner.step()
+        if s.scheduler is not None:
+            s.scheduler.step()
+    s.update_loss = update_loss
+    inner.zero_grad(set_to_none=True)
     s.enter("done")
+
+
+def first_non_finite(s: Session) -> str | None:
+    """The name of the first trainable parameter (in the model's order) whose gradient holds a NaN or
+    Inf; read only when an update is skipped."""
+    for i, p in enumerate(s.params):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return s.names[i] if s.names else f"parameter {i}"
+    return None
 
 
 def simple_micros(batches: Iterable[dict[str, torch.Tensor]], generator: Any) -> list[Micro]:

@@ -48,7 +48,9 @@ def progress_line(step: int, total: int, row: dict[str, Any], times: list[float]
     mem = (f" | peak {telemetry.gib(row['peak_allocated'])} alloc, {telemetry.gib(row['peak_reserved'])} reserved"
            if is_cuda(device) else "")
     cost = f" | {row['cost']:.2f} {currency} so far" if "cost" in row else ""
-    return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {row['loss']:.4f} | "
+    loss = f"loss {row['loss']:.4f}" if "loss" in row else "loss - (every update skipped)"
+    skipped = f" ({row['skipped_updates']} skipped)" if row.get("skipped_updates") else ""
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | {loss}{skipped} | "
             f"{row['sec_per_update']:.2f} s/update | ETA {eta}{mem} | RSS {row['rss'] / 2**30:.2f} GiB{cost}")
 
 

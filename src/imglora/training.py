@@ -11,6 +11,7 @@ Determinism: update ``s`` seeds the RNGs from (seed, s), and micro-batch ``m`` i
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -39,6 +40,16 @@ WARMUP_UPDATES = economics.WARMUP_UPDATES  # excluded from steady-state timing
 
 class NonFiniteLoss(ImgloraError):
     pass
+
+
+def adapted_module(parameter: str) -> str:
+    """The layer an adapter parameter belongs to: ``blocks.0.attn.to_q.lora_A.default.weight`` ->
+    ``blocks.0.attn.to_q`` (peft's LoRA, LoHa, LoKr and OFT names)."""
+    parameter = parameter.split(":", 1)[-1]
+    for mark in (".lora_", ".hada_", ".lokr_", ".oft_"):
+        if mark in parameter:
+            return parameter[:parameter.index(mark)]
+    return parameter.rsplit(".", 1)[0]
 
 
 @dataclass
@@ -151,8 +162,9 @@ def _loop(run: "_Run", stop: "_StopFlag", batcher: Batcher, rank: int, procs: in
         run.step = step
         rng.seed_global(loop.step_seed(cfg.train.seed, step))  # LoRA dropout draws from the global RNG
         loop.step(session, _micros(batcher, step, accum, rank, procs, family, cfg.train.seed, device), run.loss_sum)
-        run.note_non_finite(step)  # on the device: no .item(), no wait for the device
-        if session.ema is not None and step % cfg.train.ema_every == 0:
+        run.note_skip(step)  # a non-finite gradient skipped the update: logged; too many in a row stop the run
+        run.note_non_finite(step)  # a non-finite loss under finite gradients, on the device: no wait for it
+        if session.ema is not None and not session.skipped and step % cfg.train.ema_every == 0:
             session.ema.update(session.params)
         # Several processes decide on the signal they agreed on: one that arrives after the exchange
         # waits for the next update (acted on at once by one process, the others would wait for it
@@ -206,6 +218,8 @@ class _Run:
         self.offer, self.rate, self.budget = economics.run_rate(cfg)  # run.offer / train.budget.hourly_rate
         self.step_times: list[float] = []
         self.first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # first non-finite update
+        self.skipped: list[int] = []  # updates skipped for a non-finite gradient (train.max_skipped_updates)
+        self.skipped_in_row = self.skipped_since_log = 0
         self.loss_sum = torch.zeros((), device=self.device)
         self.last_log_t, self.last_log_step = time.perf_counter(), start
         self.paused = 0.0  # seconds since the last log spent saving checkpoints
@@ -215,10 +229,38 @@ class _Run:
         self.stop_signal: str | None = None
         self.projection: economics.Projection | None = None
 
-    def note_non_finite(self, step: int) -> None:  # loss or gradients: NaN gradients are in the weights now
-        norm = self.s.grad_norm if self.s.grad_norm is not None else self.loss_sum
-        bad = ~torch.isfinite(self.loss_sum) | ~torch.isfinite(norm)
-        self.first_bad = torch.where((self.first_bad < 0) & bad, step, self.first_bad)
+    def note_non_finite(self, step: int) -> None:  # a counted update's loss (its gradients were finite)
+        self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(self.loss_sum), step, self.first_bad)
+
+    def note_skip(self, step: int) -> None:
+        """``loop.step`` skipped this update (a gradient was NaN or infinite; the weights, the optimizer,
+        the schedule and the EMA are as before it): a log row and a warning say so. More than
+        train.max_skipped_updates in a row stop the run, with a checkpoint of those unchanged weights."""
+        if not self.s.skipped:
+            self.skipped_in_row = 0
+            return
+        self.skipped.append(step)
+        self.skipped_in_row += 1
+        self.skipped_since_log += 1
+        bad, limit = self.s.bad_gradient, self.cfg.train.max_skipped_updates
+        where = f"first non-finite gradient: {bad} (module {adapted_module(bad)})" if bad else "gradient norm not finite"
+        row = {"step": step, "skipped": "gradient not finite", "grad_norm": str(float(self.s.grad_norm)),
+               "nonfinite_gradient": bad, "skipped_in_row": self.skipped_in_row, "time": time.time()}
+        self.history.append(row)
+        if self.main:
+            runlog.append(self.log_path, row)
+        self.out(f"warning: update {step} skipped, nothing applied ({where}); {self.skipped_in_row} in a row, "
+                 f"the run stops after {limit} (train.max_skipped_updates)")
+        if self.skipped_in_row <= limit:
+            return
+        saved = self.checkpoint(step)  # the weights are those before the skipped updates: finite
+        raise NonFiniteLoss(
+            f"{self.skipped_in_row} updates in a row (up to update {step}) had NaN or infinite gradients and were "
+            f"skipped (train.max_skipped_updates = {limit}); {where}. Nothing non-finite reached the weights: a "
+            f"checkpoint of them is saved in {saved}. Likely causes: an attention kernel that is broken on this "
+            "GPU (resume with --set memory.attention_kernel=\"math\" to tell), a learning rate too high (try half), "
+            "fp16 overflow (use bf16), a corrupt cache entry (`imglora cache-latents --verify`), or min_snr/noise "
+            "settings out of range.")
 
     def agree(self, stop: "_StopFlag") -> int:
         """Several processes: share what any of them saw -- the first non-finite update, a signal,
@@ -238,7 +280,8 @@ class _Run:
     def log(self, step: int) -> None:
         if self.procs > 1:
             self.loss_sum = distributed.sum_all(self.loss_sum)  # every process logs at the same updates
-        loss_value = self.loss_sum.item() / (step - self.last_log_step)
+        counted = step - self.last_log_step - self.skipped_since_log  # (skipped updates add no loss)
+        loss_value = self.loss_sum.item() / counted if counted else None
         self.loss_sum.zero_()
         now = time.perf_counter()
         # Checkpoint saves since the last log are not update time: the session formula has its own
@@ -251,12 +294,18 @@ class _Run:
         mem = telemetry.memory(self.device)
         grad_norm = float(self.s.grad_norm) if self.s.grad_norm is not None else None
         row = {"step": step, "loss": loss_value, "lr": self.s.scheduler.get_last_lr()[0],
-               "sec_per_update": per_update, "grad_norm": grad_norm, "peak_allocated": mem["peak_allocated"],
+               "sec_per_update": per_update, "grad_norm": grad_norm if grad_norm is not None and math.isfinite(
+                   grad_norm) else None, "peak_allocated": mem["peak_allocated"],
                "peak_reserved": mem["peak_reserved"], "rss": mem["rss"], "time": time.time()}
         if self.rate:  # the meter since the set-up began, at the run's rate
             row["cost"] = round((now - self.t_setup) / 3600 * self.rate, 6)
+        if loss_value is None:  # every update since the last log was skipped (their rows say so)
+            del row["loss"]
+        if self.skipped_since_log:
+            row["skipped_updates"] = self.skipped_since_log
+            self.skipped_since_log = 0
         seen = self.watch.first is not None
-        if self.watch.add(step, loss_value):
+        if loss_value is not None and self.watch.add(step, loss_value):
             row["diverging"] = True
         self.history.append(row)
         if self.main:
@@ -264,7 +313,7 @@ class _Run:
             runlog.append(self.log_path, row)
         if self.trackers:
             self.trackers.scalars({"train/loss": loss_value, "train/lr": row["lr"], "train/sec_per_update": per_update,
-                                   "train/grad_norm": grad_norm, "train/peak_allocated": mem["peak_allocated"],
+                                   "train/grad_norm": row["grad_norm"], "train/peak_allocated": mem["peak_allocated"],
                                    "train/peak_reserved": mem["peak_reserved"], "train/peak_rss": mem["peak_rss"]},
                                   step)
         self.out(runlog.progress_line(step, self.total, row, self.step_times, self.device, self.budget.currency))
@@ -405,6 +454,7 @@ class _Run:
                                 "error_pct": round(100 * (self.projection.seconds - actual) / actual, 2)})
         session_hours = (time.perf_counter() - self.t_setup) / 3600
         rec.set(divergence=self.watch.first)  # None: the loss never ran away
+        rec.set(skipped_updates=self.skipped or None)  # updates a non-finite gradient skipped
         rec.set(signal=self.stop_signal, processes=self.procs, gpu_hours=round(session_hours * self.procs, 5))
         if self.offer is not None or self.rate:
             rec.set(offer=economics.run_cost(rec.data, self.offer, self.rate, cfg.train.budget.currency, session_hours,

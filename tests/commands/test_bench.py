@@ -373,17 +373,20 @@ SPEC = {"preset": TINY_FLUX, "overrides": ["cache.text_max_length=16"], "precisi
 def test_losses_that_stop_being_finite_fail_the_bench(monkeypatch, tmp_path: Path) -> None:
     _nan_from_update(1, monkeypatch)
     r = bench.run_setting(SPEC)
-    # update 1's loss is finite; its gradients are NaN, so the weights are from then on
-    assert r["status"] == "ok" and math.isfinite(r["losses"][0]) and math.isnan(r["losses"][1])
-    assert r["first_nonfinite_update"] == 1 and math.isnan(r["grad_norms"][0])
-    assert "LOSS NOT FINITE from update 2" in bench._one_line(r)
-    assert bench._row({**r, "setting": "fp8:0"})[1] == "NaN from 2"
+    # every update's loss is finite and its gradients NaN: each is skipped, the weights never NaN
+    assert r["status"] == "ok" and all(math.isfinite(x) for x in r["losses"]) and r["skipped_updates"] == [0, 1, 2]
+    assert r["first_nonfinite_update"] == 0 and math.isnan(r["grad_norms"][0])
+    assert r["first_nonfinite_gradient"].endswith(".lora_A.default.weight")  # the first LoRA weight in the model
+    line = bench._one_line(r)
+    assert "LOSS NOT FINITE from update 1" in line
+    assert f"3 updates skipped for a non-finite gradient (the first in {r['first_nonfinite_gradient']})" in line
+    assert bench._row({**r, "setting": "fp8:0"})[1] == "NaN from 1"
     monkeypatch.setattr(bench, "_run_worker", lambda spec, folder, timeout: {**r, "setting": spec["setting"]})
-    with pytest.raises(ImgloraError, match=r"losses not finite in fp8:0 \(from update 2\): those settings trained "
+    with pytest.raises(ImgloraError, match=r"losses or gradients not finite in fp8:0 \(from update 1\): those settings trained "
                                            r"nothing"):
         bench.bench_swap(TINY_FLUX, (), bench.parse_settings("0", True), steps=2, warmup=1, resolution=64,
                          vram_budget=None, arch="preset", out_dir=tmp_path / "b", out=lambda s: None)
-    assert json.loads((tmp_path / "b" / "bench.json").read_text())["results"][0]["first_nonfinite_update"] == 1
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["results"][0]["first_nonfinite_update"] == 0
 
 
 def test_detect_anomaly_names_the_operation_that_made_the_nan(monkeypatch) -> None:

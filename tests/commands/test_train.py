@@ -153,56 +153,124 @@ def test_only_lora_parameters_train(small) -> None:
     assert len(changed) == len(lora_before)  # every A and B moved (B from zero)
 
 
-def test_forced_nan_stops_names_step_and_keeps_checkpoint(small, monkeypatch) -> None:
+def _nan_gradient_at(updates, monkeypatch) -> dict[str, str]:
+    """From the updates in ``updates`` on (1-based, per loss call), one LoRA weight of the UNet's first
+    attention gets a NaN gradient while the loss stays finite (as on the first H200 run). Returns
+    {"name": the parameter's name} once the run has set it up."""
     from imglora.families import sdxl
 
     real = sdxl.model.SdxlTrainable.loss
     calls = {"n": 0}
+    planted: dict[str, str] = {}
 
-    def poisoned(self, batch, gen):
+    def nan_gradient(self, batch, gen):
         calls["n"] += 1
-        loss = real(self, batch, gen)
-        return loss * float("nan") if calls["n"] == 5 else loss
+        if not planted:
+            name, param = next((n, p) for n, p in self.model.named_parameters()
+                               if p.requires_grad and "attn1.to_k.lora_B" in n)
+            planted["name"] = name
+            param.register_hook(lambda g: g * float("nan") if calls["n"] in updates else g)
+        return real(self, batch, gen)
 
-    monkeypatch.setattr(sdxl.model.SdxlTrainable, "loss", poisoned)
+    monkeypatch.setattr(sdxl.model.SdxlTrainable, "loss", nan_gradient)
+    return planted
+
+
+def test_an_update_with_a_nan_gradient_is_skipped_named_and_the_run_goes_on(small, monkeypatch) -> None:
+    planted = _nan_gradient_at({4}, monkeypatch)
+    lines: list[str] = []
     cfg = load_cfg(small)
+    result = train(cfg, out=lines.append)
+    assert result.steps_done == 8 and result.adapter is not None  # one skipped update does not stop the run
+    rows = [json.loads(x) for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
+    skipped = [r for r in rows if "skipped" in r]
+    module = planted["name"].split(".lora_B")[0]
+    assert len(skipped) == 1 and skipped[0]["step"] == 4 and skipped[0]["grad_norm"] == "nan"
+    assert skipped[0]["nonfinite_gradient"] == planted["name"] and skipped[0]["skipped_in_row"] == 1
+    logged = {r["step"]: r for r in rows if "sec_per_update" in r}
+    assert logged[4]["skipped_updates"] == 1 and "loss" not in logged[4]  # log_every=1: no loss to average
+    assert all(r.get("skipped_updates") is None and r["loss"] > 0 for s, r in logged.items() if s != 4)
+    warning = next(x for x in lines if x.startswith("warning: update 4 skipped"))
+    assert f"first non-finite gradient: {planted['name']} (module {module})" in warning
+    assert "1 in a row, the run stops after 3 (train.max_skipped_updates)" in warning
+    assert json.loads(result.record.read_text())["skipped_updates"] == [4]
+    weights = load_file(str(result.adapter))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_the_skipped_update_leaves_weights_optimizer_and_schedule_as_they_were(small, monkeypatch) -> None:
+    """Update 3's gradient is NaN: after it the adapter, the optimizer's state and the learning rate are
+    exactly as update 2 left them (copies of the same memory, nothing computed: bit-equal)."""
+    from imglora import training
+
+    _nan_gradient_at({3}, monkeypatch)
+    seen: dict[int, dict] = {}
+    real = training._Run.note_skip
+
+    def note_skip(self, step):
+        real(self, step)
+        state = self.s.optimizer.state_dict()["state"]
+        seen[step] = {"lr": self.s.scheduler.get_last_lr()[0], "params": [p.detach().clone() for p in self.s.params],
+                      "state": [v.clone() for st in state.values() for v in st.values() if torch.is_tensor(v)]}
+
+    monkeypatch.setattr(training._Run, "note_skip", note_skip)
+    cfg = load_cfg(small, "train.max_steps=4", "train.warmup_steps=4")
+    train(cfg, out=quiet)
+    two, three, four = seen[2], seen[3], seen[4]
+    assert all(torch.equal(a, b) for a, b in zip(two["params"], three["params"]))
+    assert len(two["state"]) > 0 and all(torch.equal(a, b) for a, b in zip(two["state"], three["state"]))
+    # warmup 4: the schedule stepped for updates 1 and 2 only, then for 4
+    assert three["lr"] == two["lr"] == pytest.approx(cfg.train.learning_rate * 2 / 4)
+    assert four["lr"] == pytest.approx(cfg.train.learning_rate * 3 / 4)
+    assert not all(torch.equal(a, b) for a, b in zip(three["params"], four["params"]))  # update 4 trained
+
+
+def test_too_many_skipped_updates_in_a_row_stop_with_the_module_and_a_finite_checkpoint(small, monkeypatch) -> None:
+    planted = _nan_gradient_at(set(range(3, 100)), monkeypatch)
+    cfg = load_cfg(small, "train.max_skipped_updates=1")
     with pytest.raises(NonFiniteLoss) as exc:
         train(cfg, out=quiet)
     msg = str(exc.value)
-    assert "NaN or infinite at update 5" in msg and "learning rate" in msg
-    assert "last good checkpoint (update 4)" in msg
-    ckpts = checkpoint.list_checkpoints(cfg.run_dir)
-    assert [s for s, _ in ckpts] == [2, 4]
-    weights = load_file(str(ckpts[-1][1] / "adapter" / ADAPTER_FILE))
-    assert all(torch.isfinite(v).all() for v in weights.values())
+    module = planted["name"].split(".lora_B")[0]
+    assert msg.startswith("2 updates in a row (up to update 4) had NaN or infinite gradients and were skipped "
+                          "(train.max_skipped_updates = 1); first non-finite gradient: "
+                          f"{planted['name']} (module {module}).")
+    assert 'memory.attention_kernel=\"math\"' in msg and "learning rate" in msg
+    assert [s for s, _ in checkpoint.list_checkpoints(cfg.run_dir)] == [2, 4]
+    two = load_file(str(checkpoint.step_dir(cfg.run_dir, 2) / "adapter" / ADAPTER_FILE))
+    four = load_file(str(checkpoint.step_dir(cfg.run_dir, 4) / "adapter" / ADAPTER_FILE))
+    assert all(torch.equal(two[k], four[k]) for k in two)  # nothing of updates 3 and 4 reached the weights
+    assert f"saved in {checkpoint.step_dir(cfg.run_dir, 4)}" in msg
     assert not (cfg.run_dir / "adapter").exists()
 
 
-def test_nan_gradients_under_a_finite_loss_stop_before_that_update_is_saved(small, monkeypatch) -> None:
-    """As on the first H200 run: update 4's loss is finite but its gradients are NaN, so the optimizer
-    step fills the adapter with NaN. Update 4 is a checkpoint update; it must not be saved (nor may
-    the rotation drop a good checkpoint for it)."""
+def test_max_skipped_updates_zero_stops_at_the_first(small, monkeypatch) -> None:
+    _nan_gradient_at({5}, monkeypatch)
+    cfg = load_cfg(small, "train.max_skipped_updates=0")
+    with pytest.raises(NonFiniteLoss, match=r"^1 updates in a row \(up to update 5\)"):
+        train(cfg, out=quiet)
+
+
+def test_a_nan_loss_under_finite_gradients_still_stops_before_it_is_saved(small, monkeypatch) -> None:
+    """A NaN that reaches only the loss's value (a detached term) leaves the gradients finite: the
+    update is applied, but the run stops at the next log with the old message, unsaved."""
     from imglora.families import sdxl
 
     real = sdxl.model.SdxlTrainable.loss
     calls = {"n": 0}
 
-    def nan_gradients(self, batch, gen):
+    def nan_value(self, batch, gen):
         calls["n"] += 1
         loss = real(self, batch, gen)
-        return loss + 0 * torch.sqrt(loss - loss) if calls["n"] == 4 else loss  # d sqrt(x)/dx at 0: inf; x 0: NaN
+        return loss + torch.tensor(float("nan")).detach() if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(sdxl.model.SdxlTrainable, "loss", nan_gradients)
+    monkeypatch.setattr(sdxl.model.SdxlTrainable, "loss", nan_value)
     cfg = load_cfg(small)
     with pytest.raises(NonFiniteLoss) as exc:
         train(cfg, out=quiet)
     msg = str(exc.value)
-    assert "the loss or its gradients became NaN or infinite at update 4" in msg
-    assert "last good checkpoint (update 2)" in msg
-    ckpts = checkpoint.list_checkpoints(cfg.run_dir)
-    assert [s for s, _ in ckpts] == [2]
-    weights = load_file(str(ckpts[-1][1] / "adapter" / ADAPTER_FILE))
-    assert all(torch.isfinite(v).all() for v in weights.values())
+    assert "NaN or infinite at update 5" in msg and "last good checkpoint (update 4)" in msg
+    assert [s for s, _ in checkpoint.list_checkpoints(cfg.run_dir)] == [2, 4]
 
 
 def test_resume_refuses_changed_training_settings(small) -> None:

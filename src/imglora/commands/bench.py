@@ -135,7 +135,7 @@ def bench_swap(preset: str, overrides: tuple[str, ...], settings: list[Setting],
     broken = [f"{r['setting']} (from update {r['first_nonfinite_update'] + 1})" for r in results
               if r.get("status") == "ok" and r.get("first_nonfinite_update") is not None]
     if broken:
-        raise ImgloraError(f"losses not finite in {', '.join(broken)}: those settings trained nothing, so their "
+        raise ImgloraError(f"losses or gradients not finite in {', '.join(broken)}: those settings trained nothing, so their "
                            "timings do not measure training (bench.json: results[].losses)")
     differ = [a["text"] for a in report["loss_agreement"] if not a["agree"]]
     if differ:
@@ -308,6 +308,9 @@ def _one_line(r: dict[str, Any]) -> str:
     compiled = f", first update {r['first_update_seconds']:.1f} s (compiling)" if r.get("compile_seconds") else ""
     bad = r.get("first_nonfinite_update")
     nan = f"; LOSS NOT FINITE from update {bad + 1} (nothing trained from there)" if bad is not None else ""
+    if r.get("skipped_updates"):
+        nan += (f"; {len(r['skipped_updates'])} updates skipped for a non-finite gradient (the first in "
+                f"{r.get('first_nonfinite_gradient')})")
     return f"{r['sec_per_update']['median']:.3f} s/update, {mem}{compiled}{nan}"
 
 
@@ -381,6 +384,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         h2d = []
         losses = []  # per update: a fast but wrong path shows here (every setting trains the same math)
         grad_norms: list[float | None] = []  # per update: a backward that broke shows here first
+        skipped: list[int] = []  # updates loop.step skipped (a NaN or Inf gradient: nothing applied)
+        bad_gradients: list[str | None] = []  # the first non-finite gradient of each of them
         loss_sum = torch.zeros((), device=device)
         accum = cfg.train.grad_accum
         if spec.get("detect_anomaly"):  # each backward checked: the first NaN stops the setting, named
@@ -395,8 +400,13 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             devices.synchronize(device)
             times.append(time.perf_counter() - t)
             h2d.append((memory.swapper.stats.h2d_bytes if memory.swapper else 0) - before)
-            losses.append(float(loss_sum.item()))  # (after the timed window: .item() waits for the device)
+            # (after the timed window: .item() waits for the device) The update's own loss, counted or
+            # skipped: a skipped update (non-finite gradients) adds nothing to loss_sum.
+            losses.append(float(session.update_loss.item()))
             grad_norms.append(float(session.grad_norm) if session.grad_norm is not None else None)
+            if session.skipped:
+                skipped.append(step)
+                bad_gradients.append(session.bad_gradient)
             loss_sum.zero_()
             if step == spec["warmup"] - 1 and memory.swapper:
                 stats0 = memory.swapper.stats  # the measured updates' copies and stalls start here
@@ -419,7 +429,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         return {**result, "status": "error", "stage": stage or session.stage, "error": str(exc)}
     measured = times[spec["warmup"]:]
     mem = telemetry.memory(device)
-    nonfinite = [i for i, x in enumerate(losses) if not math.isfinite(x)]
+    nonfinite = [i for i, x in enumerate(losses) if not math.isfinite(x) or i in skipped]
     q = statistics.quantiles(measured, n=10) if len(measured) >= 2 else [measured[0]] * 9
     return {**result, "status": "ok", "stage": "done",
             "sec_per_update": {"median": statistics.median(measured), "mean": statistics.fmean(measured),
@@ -427,6 +437,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             "all_update_seconds": times, "losses": losses, "grad_norms": grad_norms,
             # a loss that is NaN or infinite: nothing is trained from there on, whatever the timings say
             "first_nonfinite_update": nonfinite[0] if nonfinite else None,
+            "skipped_updates": skipped, "first_nonfinite_gradient": bad_gradients[0] if bad_gradients else None,
             # The first update compiles the blocks (memory.compile): its excess over the median is the compile time.
             "first_update_seconds": times[0], "compile_seconds": times[0] - statistics.median(measured)
             if memory.facts.get("compile") else None, "compile": memory.facts.get("compile"), "peak_allocated": mem["peak_allocated"],

@@ -291,6 +291,10 @@ class TrainConfig:
     batch_size: int = setting(1, help="Images per micro-batch.", min=1, max=1024)
     grad_accum: int = setting(1, help="Micro-batches per optimizer update.", min=1, max=1024)
     max_grad_norm: float = setting(1.0, help="Gradient clipping norm; 0 = off.", min=0.0, max=1e6)
+    max_skipped_updates: int = setting(3, help="An update whose gradients hold a NaN or Inf is skipped: no optimizer, "
+        "schedule or EMA step, so nothing non-finite reaches the weights; the log says so and names the first "
+        "non-finite gradient's module. The run stops after this many skipped updates in a row (0: at the first).",
+        min=0, max=10_000, resume_safe=True)
     loss_type: Literal["l2", "l1", "huber", "smooth_l1"] = setting(
         "l2", help="The image families' per-element loss (kohya's loss_type): l2 (squared error), l1, huber "
                    "(2c(sqrt(e² + c²) - c): quadratic for small errors e, linear for large) or smooth_l1 "
