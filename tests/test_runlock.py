@@ -102,3 +102,62 @@ def test_a_deleted_run_folder_or_a_replaced_lock_file_is_noticed(tmp_path: Path)
         lock.write_text("{}")  # another process's new lock file in its place
         with pytest.raises(RunFolderGone):
             check_held(run, "at update 2")
+
+
+IMGLORA_HOLDER = """
+import sys, time
+from imglora import runlock
+with runlock.hold(sys.argv[3], "imglora " + sys.argv[1] + " " + sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_process_matches_only_the_live_imglora_run_the_lock_describes(tmp_path: Path) -> None:
+    """Before anything signals the pid a lock names (the UI's Stop, a takeover of a stale lock): that
+    pid must be, on this host, the imglora process the lock describes; else the reason it is not."""
+    import json
+    import socket
+
+    import psutil
+
+    script = tmp_path / "bin" / "imglora"  # a command line `... imglora train x.toml ...`, as the CLI script
+    script.parent.mkdir()
+    script.write_text(IMGLORA_HOLDER)
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, str(script), "train", "x.toml", str(run)], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        info = json.loads((run / runlock.LOCK_NAME).read_text())
+        assert info["host"] == socket.gethostname()  # what a lock records now: its process's start time too
+        assert info["create_time"] == psutil.Process(holder.pid).create_time()
+        assert runlock.process_matches(info) is None
+        old = {k: v for k, v in info.items() if k != "create_time"}  # a lock written before create_time was
+        assert runlock.process_matches(old) is None
+        here = socket.gethostname()
+        started = psutil.Process(other.pid).create_time()
+        for lock, why in [
+            (info | {"host": "elsewhere"}, f"the lock was written on host 'elsewhere', not on this one ({here!r})"),
+            ({k: v for k, v in info.items() if k != "host"}, f"the lock names no host, so pid {holder.pid} may be"),
+            (info | {"pid": "12"}, "the lock names no process id (pid '12')"),
+            (info | {"create_time": info["create_time"] - 30}, "another process has that pid now"),
+            (old | {"time": info["create_time"] - 30}, "after the lock was written"),
+            (info | {"command": "imglora eval runs/a"}, "not the lock's 'imglora eval runs/a'"),
+            (info | {"pid": other.pid, "create_time": started}, f"pid {other.pid} runs "),  # not imglora
+        ]:
+            got = runlock.process_matches(lock)
+            assert got is not None and why in got, (lock, got)
+        holder.kill()
+        holder.wait()
+        assert runlock.process_matches(info) == f"pid {holder.pid} is not running (a stale lock: its process has ended)"
+        zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+        while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.02)
+        got = runlock.process_matches({"pid": zombie.pid, "host": here, "time": time.time(), "command": "imglora train"})
+        assert got == f"pid {zombie.pid} has exited (a zombie: a stale lock)"
+        zombie.wait()
+    finally:
+        for p in (holder, other):
+            p.kill()
+            p.wait()

@@ -383,20 +383,33 @@ def caption_cmd(folder, model, trigger, style, overwrite, batch_size, prompt, ma
               help="The folder whose run folders (DIR/<run> and DIR/runs/<run>) and datasets the page shows.")
 @click.option("--presets", default=None, type=click.Path(file_okay=False),
               help="Folder of presets the New run page offers [default: ROOT/presets].")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Anything but localhost needs --token.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The address to bind. Anything but localhost is reachable from other machines (the token "
+              "guards it; --no-token is refused there).")
 @click.option("--port", default=7860, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--token", default=None, help="Required of every request (Authorization: Bearer, or ?token= once).")
-def ui_cmd(root: str, presets: str | None, host: str, port: int, token: str | None) -> None:
+@click.option("--token", default=None, help="The token every request must carry [default: a new random one, "
+              "printed in the URL to open]. The URL swaps it for an HTTP-only cookie; scripts send "
+              "Authorization: Bearer TOKEN.")
+@click.option("--no-token", is_flag=True, help="No token, on localhost only. Risk: any program or user on this "
+              "machine (another account, a container, a page a browser opens on another port) can then reach "
+              "the UI and start or stop runs and rewrite captions through it.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host is NAME (repeatable): the name of an SSH tunnel or a proxy "
+              "in front of the UI. Other names get 403 (a guard against DNS rebinding).")
+def ui_cmd(root: str, presets: str | None, host: str, port: int, token: str | None, no_token: bool,
+           allow_hosts: tuple[str, ...]) -> None:
     """Serve the web UI over the run folders under ROOT: runs with their live loss curve, state, cost and
     Stop/Resume; a new run from a preset with every key's meaning, checked as `imglora config` checks it,
     planned, and started as `imglora train`; the dataset's images with editable captions and the scan's
-    warnings; evaluation and export; doctor and fetch. Binds 127.0.0.1 unless told otherwise (then with a
-    token); over SSH: ssh -L 7860:127.0.0.1:7860 BOX, then open http://127.0.0.1:7860/."""
+    warnings; evaluation and export; doctor and fetch. Binds 127.0.0.1 and asks a token (printed once,
+    in the URL to open) unless told otherwise; over SSH: ssh -L 7860:127.0.0.1:7860 BOX, then open the
+    printed URL here."""
     try:
         from .ui.server import serve
     except ImportError as exc:  # fastapi or uvicorn missing
         raise ImgloraError(f"the UI needs FastAPI and uvicorn ({exc}): pip install 'imglora[ui]'") from None
-    serve(root, host=host, port=port, token=token, presets=presets or str(Path(root) / "presets"))
+    serve(root, host=host, port=port, token=token, presets=presets or str(Path(root) / "presets"),
+          no_token=no_token, allow_hosts=allow_hosts, out=click.echo)
 
 
 def _register_split_commands() -> None:

@@ -2,9 +2,13 @@
 
 The lock is an ``flock`` on that file, so the kernel releases it when the process ends in any way,
 SIGKILL included: a lock left by a dead process never blocks the next run. The file also holds
-the owner's pid, host and command, so the refusal says who holds it; where ``flock`` is not
-available (some network file systems) the pid is checked instead, and a lock whose process no
-longer exists on this host is taken over.
+the owner's pid, host, command and the process's start time (``create_time``, as psutil gives it;
+locks written before it was recorded lack it and are still read), so the refusal says who holds it;
+where ``flock`` is not available (some network file systems) the pid is checked instead, and a lock
+whose process no longer exists on this host is taken over.
+
+``process_matches(info)`` says whether a lock's process is, here and now, the imglora run the lock
+describes (None) or why not (a reason): the check before anything signals the pid a lock names.
 
 A lock only guards while its file is in the folder: if the run folder is deleted (or the lock file
 removed) mid-run, a second trainer can take a new lock there. ``check_held`` notices, and the run
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -71,6 +76,74 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def _create_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # psutil missing, or the process gone
+        return None
+
+
+def process_matches(info: dict) -> str | None:
+    """None when the process a lock names is the live imglora run the lock describes, on this host;
+    else the reason it is not (to be shown: signalling it would hit another process).
+
+    Checked: the lock names this host (a lock written elsewhere, e.g. in a synced folder, names a pid
+    of another machine); the pid is alive (not a zombie); the process started when the lock says
+    (``create_time``; an older lock without it: not after the lock was written), so a pid reused by
+    another process is not taken for the run; and its command line is ``imglora <command>`` as the
+    lock records it (``python -m imglora train ...`` or the ``imglora`` script)."""
+    import psutil
+
+    pid, host, here = info.get("pid"), info.get("host"), socket.gethostname()
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return f"the lock names no process id (pid {pid!r})"
+    if not host:
+        return f"the lock names no host, so pid {pid} may be another machine's"
+    if host != here:
+        return f"the lock was written on host {host!r}, not on this one ({here!r}): pid {pid} is a process there"
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            status, started, argv = proc.status(), proc.create_time(), proc.cmdline()
+    except psutil.ZombieProcess:
+        return f"pid {pid} has exited (a zombie: a stale lock)"
+    except psutil.NoSuchProcess:
+        return f"pid {pid} is not running (a stale lock: its process has ended)"
+    except psutil.AccessDenied:
+        return f"pid {pid} cannot be inspected (access denied), so it cannot be told to be the run"
+    if status == psutil.STATUS_ZOMBIE:
+        return f"pid {pid} has exited (a zombie: a stale lock)"
+    when = info.get("create_time")
+    if isinstance(when, (int, float)) and not isinstance(when, bool):
+        if abs(started - when) > 1.0:
+            return (f"pid {pid} was started at {_clock(started)}, but the lock's process was started at "
+                    f"{_clock(when)}: another process has that pid now")
+    elif isinstance(info.get("time"), (int, float)) and started > info["time"] + 1.0:
+        return (f"pid {pid} was started at {_clock(started)}, after the lock was written ({_clock(info['time'])}): "
+                "another process has that pid now")
+    try:
+        words = shlex.split(str(info.get("command") or ""))
+    except ValueError:
+        words = str(info.get("command") or "").split()
+    sub = words[1] if len(words) > 1 and Path(words[0]).name == "imglora" else None
+    for i, arg in enumerate(argv):
+        is_imglora = Path(arg).name in ("imglora", "imglora.exe") or (
+            arg == "-m" and i + 1 < len(argv) and argv[i + 1] in ("imglora", "imglora.cli"))
+        if is_imglora:
+            rest = argv[i + (2 if arg == "-m" else 1):]
+            if sub is None or (rest and rest[0] == sub):
+                return None
+            break
+    return (f"pid {pid} runs {' '.join(argv)[:200]!r}, not the lock's {info.get('command')!r}: another process "
+            "has that pid now")
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
 def _alive(info: dict) -> bool:
     pid = info.get("pid")
     if not isinstance(pid, int) or info.get("host") != socket.gethostname():
@@ -91,7 +164,7 @@ def hold(run_dir: str | os.PathLike, command: str | None = None) -> Iterator[Pat
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
     info = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-            "command": command or " ".join(["imglora", *sys.argv[1:]])}
+            "command": command or " ".join(["imglora", *sys.argv[1:]]), "create_time": _create_time(os.getpid())}
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     acquired = False
     try:

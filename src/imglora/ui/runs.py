@@ -8,11 +8,12 @@ newest train record: ``finished`` (status ok), ``interrupted`` (resumable: a che
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from .. import record, runlock
+from .. import runlock
 from ..checkpoint import list_checkpoints
 
 UI_LOG = "ui-train.log"  # the stdout and stderr of a run the UI started
@@ -32,16 +33,64 @@ def find_runs(root: Path) -> list[Path]:
     return out
 
 
-def lock_info(run: Path) -> dict[str, Any] | None:
-    """The lock's owner while it lives (pid, host, command), else None."""
-    path = run / runlock.LOCK_NAME
-    if not path.is_file():
-        return None
+def lock_record(run: Path) -> dict[str, Any] | None:
+    """What the run's lock file says (pid, host, command, create_time), live or not; None when it names
+    no owner (empty: released) or does not read."""
     try:
-        info = json.loads(path.read_text() or "{}")
+        info = json.loads((run / runlock.LOCK_NAME).read_text() or "{}")
     except (OSError, ValueError):
         return None
-    return info if info and runlock._alive(info) else None
+    return info if isinstance(info, dict) and info else None
+
+
+def lock_info(run: Path) -> dict[str, Any] | None:
+    """The lock's owner while it lives, else None: on this host, while ``runlock.process_matches`` finds
+    its process to be the run (a stale lock, or a pid reused by another process, is no owner); a lock
+    of another host (a synced folder) is taken as live there."""
+    info = lock_record(run)
+    if info is None or not isinstance(info.get("pid"), int):
+        return None
+    if info.get("host") and info.get("host") != socket.gethostname():
+        return info
+    return info if runlock.process_matches(info) is None else None
+
+
+class UnreadableRecord(ValueError):
+    pass
+
+
+def read_records(run: Path, command: str | None = None) -> list[dict[str, Any]]:
+    """The run's records (``records/*.json``), oldest first, as ``record.read_records``; one that does not
+    read as a JSON object raises ``UnreadableRecord`` naming the file."""
+    out = []
+    for p in sorted((run / "records").glob("*.json")):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            raise UnreadableRecord(f"{p.relative_to(run)}: {exc}") from None
+        if not isinstance(rec, dict):
+            raise UnreadableRecord(f"{p.relative_to(run)}: JSON {type(rec).__name__}, not an object")
+        if command is None or rec.get("command") == command:
+            out.append(rec)
+    return out
+
+
+def unreadable(exc: BaseException) -> str:
+    return f"unreadable record: {exc}" if isinstance(exc, UnreadableRecord) else \
+        f"unreadable: {type(exc).__name__}: {exc}"
+
+
+def safe_summary(run: Path, root: Path, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``summary``, or for a run whose files do not read, the run as ``unreadable`` with the reason (one
+    malformed file never hides the other runs)."""
+    try:
+        return summary(run, root, rows)
+    except Exception as exc:  # noqa: BLE001 - whatever a hand-edited or truncated file raises
+        keys = ("step", "total", "loss", "sec_per_update", "eta_seconds", "cost", "projected_cost", "peak_allocated",
+                "family")
+        return {"name": run.name, "path": str(run.relative_to(root)), "state": "unreadable",
+                "detail": unreadable(exc), "checkpoints": [], "resumable": False, **dict.fromkeys(keys),
+                "updated": _mtime(run)}
 
 
 def log_rows(run: Path, after: int = -1) -> list[dict[str, Any]]:
@@ -57,18 +106,20 @@ def log_rows(run: Path, after: int = -1) -> list[dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and row.get("step", -1) > after:
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step > after:
             rows.append(row)
     return rows
 
 
 def state(run: Path) -> dict[str, Any]:
     owner = lock_info(run)
-    records = record.read_records(run, "train")
+    records = read_records(run, "train")
     rec = records[-1] if records else None
     ckpts = [step for step, _ in list_checkpoints(run)]
     if owner is not None:
-        name, detail = "running", f"pid {owner.get('pid')}"
+        elsewhere = owner.get("host") != socket.gethostname()
+        name, detail = "running", f"pid {owner.get('pid')}" + (f" on {owner.get('host')}" if elsewhere else "")
     elif rec is None:
         name, detail = "unknown", "no train record yet"
     elif rec.get("status") == "ok":
@@ -95,7 +146,7 @@ def run_config(run: Path) -> Any:
             started = json.loads((run / UI_RUN).read_text())
             return load_config(started["preset"], started.get("overrides", []))
         return saved_config(run)
-    except (ImgloraError, OSError, ValueError, KeyError):
+    except (ImgloraError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -110,14 +161,14 @@ def summary(run: Path, root: Path, rows: list[dict[str, Any]] | None = None) -> 
     cfg = run_config(run)
     total = cfg.train.max_steps if cfg is not None else None
     rate = run_rate(cfg)[1] if cfg is not None else None
-    spu, step = last.get("sec_per_update"), last.get("step")
-    eta = (total - step) * spu if isinstance(spu, (int, float)) and isinstance(step, int) and total else None
+    spu, step, cost = (_number(last.get(k)) for k in ("sec_per_update", "step", "cost"))
+    eta = (total - step) * spu if spu is not None and isinstance(step, int) and total else None
+    peak = rec.get("peak_memory")
     return {"name": run.name, "path": str(run.relative_to(root)), **st, "step": step,
-            "total": total, "loss": last.get("loss"), "sec_per_update": spu,
-            "eta_seconds": eta if st["state"] == "running" else None, "cost": last.get("cost"),
-            "projected_cost": (last["cost"] + eta / 3600 * rate) if eta and rate and last.get("cost") is not None
-            else None,
-            "peak_allocated": (rec.get("peak_memory") or {}).get("peak_allocated"),
+            "total": total, "loss": _number(last.get("loss")), "sec_per_update": spu,
+            "eta_seconds": eta if st["state"] == "running" else None, "cost": cost,
+            "projected_cost": (cost + eta / 3600 * rate) if eta and rate and cost is not None else None,
+            "peak_allocated": _number(peak.get("peak_allocated")) if isinstance(peak, dict) else None,
             "family": cfg.model.family if cfg is not None else None, "updated": _mtime(run)}
 
 
@@ -129,9 +180,9 @@ def detail(run: Path, root: Path) -> dict[str, Any]:
     out["tail"] = tail(run / UI_LOG, 40)
     out["sheets"] = [str(p.relative_to(root)) for p in sorted(run.rglob("*.png")) if "sheet" in p.name
                      or p.parent.name in ("eval", "samples")]
-    evals = record.read_records(run, "eval")
+    evals = read_records(run, "eval")
     out["evals"] = [{k: r.get(k) for k in ("started", "status", "best_step", "best_checkpoint")}
-                    | {"steps": [x.get("step") for x in r.get("losses") or []]} for r in evals]
+                    | {"steps": [x.get("step") for x in _list(r.get("losses")) if isinstance(x, dict)]} for r in evals]
     out["eval_losses"] = eval_losses(run, root, evals)
     files = sorted((run / "adapter").glob("*.safetensors")) if (run / "adapter").is_dir() else []
     out["adapter"] = str(files[0].relative_to(root)) if files else None  # the download
@@ -149,14 +200,18 @@ def eval_losses(run: Path, root: Path, evals: list[dict[str, Any]]) -> dict[str,
         table = json.loads((run / "eval" / "losses.json").read_text())
     except (OSError, ValueError):
         return None
-    sheets: dict[str, str] = {}
+    if not isinstance(table, dict):
+        return None
+    sheets: dict[str, Any] = {}
     for r in evals:  # later evaluations' sheets replace earlier ones
-        sheets.update((r.get("outputs") or {}).get("sheets") or {})
+        outputs = r.get("outputs")
+        found = outputs.get("sheets") if isinstance(outputs, dict) else None
+        sheets.update(found if isinstance(found, dict) else {})
 
     best = table.get("best_step")
-    rows = [{"step": r.get("step"), "heldout": r.get("heldout"), "train": r.get("train"),
+    rows = [{"step": r.get("step"), "heldout": _number(r.get("heldout")), "train": _number(r.get("train")),
              "adapter": inside_root(r.get("adapter"), root), "sheet": inside_root(sheets.get(str(r.get("step"))), root),
-             "best": r.get("step") == best} for r in table.get("checkpoints", [])]
+             "best": r.get("step") == best} for r in _list(table.get("checkpoints")) if isinstance(r, dict)]
     plot = run / "eval" / "loss_vs_step.png"
     return {"checkpoints": rows, "best_step": best, "base": table.get("base"),
             "plot": inside_root(plot, root) if plot.is_file() else None}
@@ -167,8 +222,17 @@ def inside_root(path: Any, root: Path) -> str | None:
     the root (a page shows only what /files would serve)."""
     try:
         return str(Path(path).resolve().relative_to(root)) if path else None
-    except ValueError:
+    except (ValueError, TypeError, OSError, RuntimeError):  # not a path, a NUL byte, a symlink loop ...
         return None
+
+
+def _number(x: Any) -> Any:
+    """``x`` when it is a number (a log or record edited by hand may hold anything), else None."""
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else []
 
 
 def smooth(values: list[Any], alpha: float = 0.9) -> list[float | None]:
