@@ -441,6 +441,11 @@ def test_cross_site_requests_are_refused_before_any_action(trained, token) -> No
     Sec-Fetch-Site, a form's Content-Type or a missing X-XSRF-Token: refused, nothing started or written."""
     c = _client(trained, token)
     caption = (trained / "datasets/toy/01_sky.txt").read_text()
+
+    def job_logs() -> dict:  # what the UI's jobs have written (other tests' jobs may have run before)
+        return {p.name: p.stat().st_size for p in (trained / ".imglora-ui").glob("*")}
+
+    before = job_logs()
     plain = {"content-type": "text/plain"}
     for method, path, body in ACTIONS:
         data = json.dumps(body)
@@ -457,7 +462,7 @@ def test_cross_site_requests_are_refused_before_any_action(trained, token) -> No
         assert r.status_code == 403 and "missing or wrong x-xsrf-token header" in r.json()["error"], path
         r = c.request(method, path, json=body, headers={"X-XSRF-Token": "forged.value"})
         assert r.status_code == 403, path
-    assert c.app.state.launcher.jobs == {} and not (trained / ".imglora-ui").exists()
+    assert c.app.state.launcher.jobs == {} and job_logs() == before
     assert (trained / "datasets/toy/01_sky.txt").read_text() == caption
     # from the page itself (same Origin, JSON, the header): accepted
     r = c.post("/api/check", json={"preset": "tiny-flux.toml"}, headers={"Origin": BASE, "Sec-Fetch-Site": "same-origin"})
@@ -505,7 +510,7 @@ def test_serve_makes_a_token_and_prints_the_url_that_swaps_it_for_a_cookie(train
     assert c.get("/api/runs").status_code == 401  # nothing without it
     r = c.get(url, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/" and r.headers["referrer-policy"] == "no-referrer"
-    assert c.get("/api/runs").json()["runs"][0]["name"] == "done"
+    assert "done" in [r["name"] for r in c.get("/api/runs").json()["runs"]]
     lines.clear()
     serve(str(trained), port=PORT, presets=str(PRESETS), no_token=True, out=lines.append)
     assert lines[0].startswith("warning: --no-token: any program or user on this machine can reach the UI")
@@ -605,8 +610,8 @@ def test_served_files_are_sandboxed_and_the_page_sends_a_csp(client, trained) ->
         assert page.headers["x-frame-options"] == "DENY" and page.headers["referrer-policy"] == "no-referrer"
         assert page.headers["x-content-type-options"] == "nosniff"
         scripts = re.findall(r"<script\b[^>]*>(.*?)</script>", page.text, re.S)
-        assert scripts == [""] and ' on' not in re.sub(r"<script\b[^>]*>", "", page.text).lower().replace(
-            " one", "").replace(" only", "")  # no inline script, no on* handler attribute
+        assert scripts == [""]  # one script, from a file: none inline
+        assert re.search(r"<[^>]*\son[a-z]+\s*=", page.text, re.I) is None  # no on* handler attribute
     finally:
         (trained / "evil.html").unlink()
         (trained / "evil.svg").unlink()
@@ -757,6 +762,7 @@ def test_a_second_start_of_one_name_at_once_is_refused_before_anything_is_writte
         codes = sorted(r.status_code for r in answers)
         assert codes == [200, 409], [r.text for r in answers]
         won = next(i for i, r in enumerate(answers) if r.status_code == 200)
+        assert answers[won].json()["run"] == "twice" and answers[won].json()["argv"][0] == "train"
         lost = answers[1 - won].json()["error"]
         assert lost.startswith("twice was started already (job ") and "choose another run.name" in lost
         saved = json.loads((trained / "runs/twice" / rv.UI_RUN).read_text())

@@ -240,7 +240,7 @@ class Launcher:
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         job_id = secrets.token_hex(4)
         self.jobs[job_id] = {"id": job_id, "kind": kind, "argv": argv, "pid": proc.pid, "log": str(log),
-                             "started": time.time(), "run": str(run) if run else None, "proc": proc}
+                             "started": time.time(), "run_dir": str(run) if run else None, "proc": proc}
         return self.view(job_id)
 
     def reap(self) -> None:
@@ -251,7 +251,7 @@ class Launcher:
     def active_for(self, run: Path) -> dict[str, Any] | None:
         """A job started for ``run`` that is still running (a start not yet holding the run's lock)."""
         for job in self.jobs.values():
-            if job.get("run") == str(run) and job["proc"].poll() is None:
+            if job.get("run_dir") == str(run) and job["proc"].poll() is None:
                 return job
         return None
 
@@ -446,9 +446,17 @@ def create_app(root: str | os.PathLike, token: str | None, presets: str | os.Pat
         return {"stopping": name, "pid": owner["pid"]}
 
     def busy(run: Path) -> None:
-        """409 while ``run`` is running or a start of it is under way (checked under ``launcher.lock``)."""
+        """409 while ``run`` is running or a start of it is under way (checked under ``launcher.lock``):
+        a job started for it that has not yet taken the run's lock (a process that took it and let it
+        go is finishing: no longer in the way)."""
+        from ..runlock import LOCK_NAME
+
         job = launcher.active_for(run)
-        if job is not None:
+        try:
+            locked_since_start = (run / LOCK_NAME).stat().st_mtime >= job["started"] if job else False
+        except OSError:
+            locked_since_start = False
+        if job is not None and not locked_since_start:
             raise Refused(409, f"{run.name} was started already (job {job['id']}, pid {job['pid']}, still running); "
                                "wait for it, or choose another run.name")
         if rv.lock_info(run) is not None:
