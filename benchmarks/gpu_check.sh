@@ -20,10 +20,16 @@
 #       peak target is about; the result still records each block's measured copy and compute time
 #       and the depth auto would choose, memory.swap_prefetch = 0, the default; fp8c:18, fp8 compute,
 #       last: the first H200 run measured it where the other two crashed)
-#   2 diagnose, only when a bench setting crashed or trained a NaN (then it comes before the rest): the
-#     swapped setting again with memory.attention_kernel = "math" (3 updates, DIR/diagnose-math/:
-#     finite there = a fused attention kernel is the cause), then one update of it with
-#     CUDA_LAUNCH_BLOCKING=1 and bench-swap --detect-anomaly (DIR/diagnose/)
+#   2 diagnose, only when a bench setting crashed or trained a NaN (then it comes before the rest):
+#     benchmarks/bare_bisect.py's kernel cases (no imglora: PyTorch's default kernel, flash and
+#     efficient on the full FLUX.1-dev, DIR/bisect/; skipped when the bisect step already ran), then
+#     imglora's bf16:0 with offloaded checkpoints off (plain bf16: no quanto, swap or offload on the
+#     question) with memory.attention_kernel = "math" (3 updates, DIR/diagnose-math/: finite there =
+#     a fused attention kernel is the cause), then one update of it with CUDA_LAUNCH_BLOCKING=1 and
+#     bench-swap --detect-anomaly (DIR/diagnose/)
+#   bisect (only when named in GPU_CHECK_STEPS; first then): benchmarks/bare_bisect.py, every case, DIR/bisect/
+#   families (only when named): SDXL's full UNet at 1024 px (bf16:0) and the chat-LLM preset's full
+#     architecture with its 4-bit base, bench-swap each (DIR/bench-sdxl/, DIR/bench-llm/)
 #   3 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
 #   4 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, attention kernels, the GPU
 #   5 imglora plan (the prediction for the same settings; needs no GPU)
@@ -35,17 +41,27 @@
 # diagnose-math/ and diagnose/ (if they ran), plan.json, summary.md. Exit status: 0 when every target passes (dry run: when every step ran),
 # 1 otherwise (CUDA unavailable without --dry-run: at once), 2 on a usage error.
 #
+# The next GPU window's two commands (each one call, 8 and 5 minutes):
+#   GPU_CHECK_STEPS=bisect benchmarks/gpu_check.sh --out gpu-1          # the bare control
+#   GPU_CHECK_STEPS="bench families" GPU_CHECK_BLOCKS=fp8:18,bf16:0,fp8c:18 GPU_CHECK_REFERENCE=bf16:0 \
+#     GPU_CHECK_UPDATES=12 GPU_CHECK_TOTAL=300 GPU_CHECK_KERNEL=gpu-1/bisect/kernel benchmarks/gpu_check.sh --out gpu-2
+#   (GPU_CHECK_KERNEL: the kernel the bisect's summary names, or the path of its DIR/bisect/kernel)
+#
 # Environment: PYTHON (default: the first of python3, python that has torch); GPU_CHECK_PIP=0 never
 # runs pip (no wheel install); GPU_CHECK_WHEELS (default .whl); GPU_CHECK_STEPS (default "bench
 # pytest probe diagnose plan": the others are skipped); GPU_CHECK_EXTRA_MODULES="a b" adds modules to the
 # dependency check, GPU_CHECK_MODULES replaces its list (tests use them: each import takes seconds);
 # GPU_CHECK_BLOCKS replaces the bench settings (default fp8:18,fp8:0,fp8c:18; fp8f:N is the fused dequantizing
 # path, fp8c:N fp8 compute, a +compile suffix compiled blocks: fp8c+compile:18; its first update
-# counts the compilation).
+# counts the compilation); GPU_CHECK_REFERENCE (default fp8:0) the unswapped setting the summary sets the swapped one
+# against; GPU_CHECK_UPDATES (default 8) the bench's timed updates (after 3 warm-up); GPU_CHECK_KERNEL a
+# memory.attention_kernel for the bench and families steps (a name, or a file holding one); GPU_CHECK_TOTAL
+# (default 480) the seconds for the whole check; GPU_CHECK_BISECT_CASES the bare bisect's cases (default: all in the
+# bisect step, the kernel cases in the diagnose step).
 
 set -u
 
-TOTAL=480          # seconds for the whole check
+TOTAL=${GPU_CHECK_TOTAL:-480}  # seconds for the whole check
 RESERVE=30         # of which kept for the summary
 DRY=0
 OUT=""
@@ -60,6 +76,14 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+
+# GPU_CHECK_KERNEL: memory.attention_kernel for the bench and families steps, as a name or the bisect's
+# DIR/bisect/kernel file (the kernel it found to train finite); checked before anything runs.
+KERNEL=${GPU_CHECK_KERNEL:-}
+if [ -n "$KERNEL" ] && [ -f "$KERNEL" ]; then KERNEL=$(tr -d '[:space:]' < "$KERNEL"); fi
+case "$KERNEL" in ""|auto|flash|efficient|cudnn|math) ;; *)
+    echo "GPU_CHECK_KERNEL=$KERNEL: expected auto, flash, efficient, cudnn or math (or a file holding one)" >&2; exit 2 ;;
+esac
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 2
@@ -277,23 +301,53 @@ if [ "$DRY" -eq 1 ]; then
     PRESET=presets/tiny-flux.toml
     BLOCKS=fp8:4,fp8:0,fp8c:4  # the swapped setting first, as on the GPU
     SWAPPED=fp8:4
+    REFERENCE=${GPU_CHECK_REFERENCE:-fp8:0}
     BENCH_ARGS=(--steps 2 --warmup 1)
     ARCH_ARGS=()  # the preset's own (tiny) model
     SIZE_ARGS=()  # the preset's resolution
-    SUMMARY_ARGS=(--dry-run --swapped "$SWAPPED")
+    SDXL_PRESET=presets/tiny-sdxl.toml
+    LLM_PRESET=presets/tiny-llm.toml
+    FAMILY_ARGS=(--steps 2 --warmup 1)
+    BISECT_ARGS=(--tiny)
+    SUMMARY_ARGS=(--dry-run --swapped "$SWAPPED" --reference "$REFERENCE")
 else
     PRESET=presets/flux.toml
     BLOCKS=fp8:18,fp8:0,fp8c:18  # fp8:18 first: the targets are about it
     SWAPPED=fp8:18
-    BENCH_ARGS=(--arch full --steps 8 --warmup 3)
+    REFERENCE=${GPU_CHECK_REFERENCE:-fp8:0}
+    BENCH_ARGS=(--arch full --steps "${GPU_CHECK_UPDATES:-8}" --warmup 3)
     ARCH_ARGS=(--arch full)
     SIZE_ARGS=(--resolution 1024)
-    SUMMARY_ARGS=(--swapped "$SWAPPED")
+    SDXL_PRESET=presets/sdxl.toml
+    LLM_PRESET=presets/qlora-llm.toml
+    FAMILY_ARGS=(--arch full --steps 5 --warmup 1)
+    BISECT_ARGS=()
+    SUMMARY_ARGS=(--swapped "$SWAPPED" --reference "$REFERENCE")
+fi
+KERNEL_SET=()
+if [ -n "$KERNEL" ]; then
+    KERNEL_SET=(--set "memory.attention_kernel=\"$KERNEL\"")
+    echo "attention kernel for bench and families: $KERNEL (GPU_CHECK_KERNEL)"
 fi
 # GPU_CHECK_BLOCKS replaces the settings (e.g. fp8:18,fp8:0,fp8f:18,fp8c:18 adds the fused path and fp8 compute; keep the
 # swapped setting first): each gets an equal share of the bench step's time.
 BLOCKS=${GPU_CHECK_BLOCKS:-$BLOCKS}
 n_settings=$(( $(printf '%s' "$BLOCKS" | tr -cd ',' | wc -c) + 1 ))
+
+# ------------------------------------------------------------------------------ bisect (when named)
+# The bare control first: no imglora, each case in a process of its own, within its own budget.
+BISECT_RAN=0
+if wanted bisect; then
+    if [ "$TORCH_OK" -eq 1 ] && [ -z "$(echo " $lib_missing " | grep -w -e diffusers -e peft -e transformers)" ]; then
+        t=$(budget 450)
+        NOTE="benchmarks/bare_bisect.py, every case"
+        run_step bisect "$t" "$PY" benchmarks/bare_bisect.py --out "$OUT/bisect" --budget "$((t - 10))" \
+            ${GPU_CHECK_BISECT_CASES:+--cases "$GPU_CHECK_BISECT_CASES"} ${BISECT_ARGS[@]+"${BISECT_ARGS[@]}"}
+        BISECT_RAN=1
+    else
+        skip bisect "needs torch, diffusers, peft and transformers"
+    fi
+fi
 
 # ------------------------------------------------------------------------------ 1: bench-swap
 if ! wanted bench; then
@@ -305,7 +359,8 @@ elif [ "$DEPS_OK" -eq 1 ]; then
     per_setting=$(( (t - 20) / n_settings ))
     [ "$per_setting" -lt 10 ] && per_setting=10
     run_step bench "$t" "${IMGLORA[@]}" bench-swap "$PRESET" "${BENCH_ARGS[@]}" ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} \
-        --blocks "$BLOCKS" --set memory.swap_prefetch=1 --timeout "$per_setting" --out "$OUT/bench-flux"
+        --blocks "$BLOCKS" --set memory.swap_prefetch=1 ${KERNEL_SET[@]+"${KERNEL_SET[@]}"} --timeout "$per_setting" \
+        --out "$OUT/bench-flux"
 else
     skip bench "needs imglora's dependencies"
 fi
@@ -336,22 +391,47 @@ elif [ "$DEPS_OK" -ne 1 ]; then
 else
     bench_trouble
     case $? in
-        1) # a: the same setting with PyTorch's math attention kernel, asynchronous as before (3 updates: the
-           #    first H200 run went NaN from the second): finite here = a fused attention kernel is the cause
-           NOTE="memory.attention_kernel = math, asynchronous, 3 updates of $SWAPPED"
+        1) # a: the bare control's kernel cases (no imglora), unless the bisect step ran them already
+           if [ "$BISECT_RAN" -eq 0 ]; then
+               t=$(budget 200)
+               NOTE="benchmarks/bare_bisect.py: env, kernels, FLUX with the default, flash and efficient kernels"
+               run_step diagnose-bisect "$t" "$PY" benchmarks/bare_bisect.py --out "$OUT/bisect" --budget "$((t - 10))" \
+                   --cases "${GPU_CHECK_BISECT_CASES:-env,kernels,flux:default:1024,flux:flash:1024,flux:efficient:1024}" \
+                   ${BISECT_ARGS[@]+"${BISECT_ARGS[@]}"}
+           fi
+           # b: imglora's plain bf16 path (no quanto, no swap, no offloaded checkpoints) with PyTorch's math
+           #    kernel, asynchronous as before (3 updates: the first H200 run went NaN from the second):
+           #    finite here = a fused attention kernel is the cause
+           NOTE="bf16:0, offloaded checkpoints off, memory.attention_kernel = math, asynchronous, 3 updates"
            run_step diagnose-math "$(budget 75)" "${IMGLORA[@]}" bench-swap "$PRESET" \
-               ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks "$SWAPPED" \
-               --steps 2 --warmup 1 --set memory.swap_prefetch=1 --set 'memory.attention_kernel="math"' \
+               ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks bf16:0 \
+               --steps 2 --warmup 1 --set memory.offload_checkpoints=false --set 'memory.attention_kernel="math"' \
                --timeout 65 --out "$OUT/diagnose-math"
-           # b: launch-blocking (an ordering fault goes away) with anomaly detection (names the first NaN op)
-           NOTE="CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection, one update of $SWAPPED"
+           # c: launch-blocking (an ordering fault goes away) with anomaly detection (names the first NaN op)
+           NOTE="CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection, one update of bf16:0, offloaded checkpoints off"
            CUDA_LAUNCH_BLOCKING=1 run_step diagnose "$(budget 100)" "${IMGLORA[@]}" bench-swap "$PRESET" \
-               ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks "$SWAPPED" \
-               --steps 1 --warmup 1 --detect-anomaly --set memory.swap_prefetch=1 --timeout 90 \
+               ${ARCH_ARGS[@]+"${ARCH_ARGS[@]}"} ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks bf16:0 \
+               --steps 1 --warmup 1 --detect-anomaly --set memory.offload_checkpoints=false --timeout 90 \
                --out "$OUT/diagnose" ;;
         2) skip diagnose "the bench found nothing to diagnose" ;;
         *) skip diagnose "no bench.json to read" ;;
     esac
+fi
+
+# ------------------------------------------------------------------------------ families (when named)
+# SDXL and the chat-LLM preset through imglora's own bench on this GPU: finite losses, s/update, peaks.
+if wanted families; then
+    if [ "$DEPS_OK" -eq 1 ]; then
+        NOTE="SDXL, bf16:0"
+        run_step families-sdxl "$(budget 100)" "${IMGLORA[@]}" bench-swap "$SDXL_PRESET" "${FAMILY_ARGS[@]}" \
+            ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks bf16:0 ${KERNEL_SET[@]+"${KERNEL_SET[@]}"} --timeout 90 \
+            --out "$OUT/bench-sdxl"
+        NOTE="chat LLM, its 4-bit base"
+        run_step families-llm "$(budget 110)" "${IMGLORA[@]}" bench-swap "$LLM_PRESET" "${FAMILY_ARGS[@]}" \
+            --blocks 0 ${KERNEL_SET[@]+"${KERNEL_SET[@]}"} --timeout 100 --out "$OUT/bench-llm"
+    else
+        skip families "needs imglora's dependencies"
+    fi
 fi
 
 # ------------------------------------------------------------------------------ 3: GPU tests

@@ -433,13 +433,15 @@ def environment_line(bench: dict[str, Any] | None, probe: dict[str, Any] | None)
 
 
 DIAGNOSES = (("diagnose-math", "math attention kernel, asynchronous"),
-             ("diagnose", "CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection"))
+             ("diagnose", "CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection"),
+             ("bench-sdxl", "SDXL (full UNet)"), ("bench-llm", "chat LLM (full architecture, 4-bit base)"))
 
 
 def diagnosis_lines(folder: Path | None) -> list[str]:
-    """What the diagnose step's runs found (DIR/diagnose-math, DIR/diagnose): per run, its losses and
-    whether they are finite, or how it failed."""
-    out = []
+    """What the bare bisect (DIR/bisect), the diagnose step's runs (DIR/diagnose-math, DIR/diagnose)
+    and the families step's benches (DIR/bench-sdxl, DIR/bench-llm) found: per run, its losses and
+    whether they and the gradients are finite, or how it failed."""
+    out = bisect_lines(folder / "bisect") if folder is not None else []
     for sub, label in DIAGNOSES:
         if folder is None:
             break
@@ -450,15 +452,30 @@ def diagnosis_lines(folder: Path | None) -> list[str]:
             continue
         for r in bench.get("results", []):
             losses = r.get("losses") or []
-            finite = all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
+            bad = _first_nonfinite(r) if losses else None
             shown = ", ".join(f"{x:.6f}" if isinstance(x, (int, float)) else str(x) for x in losses)
             if r.get("status") == "ok":
+                speed = (f"; {r['sec_per_update']['median']:.3f} s/update, peak {gib(r.get('peak_allocated'))} GiB "
+                         f"allocated, {gib(r.get('peak_reserved'))} GiB reserved" if _timed(r) else "")
                 out.append(f"{label}, {r.get('setting')}: losses [{shown}] "
-                           + ("all finite" if finite and losses else "NOT FINITE"))
+                           + ("all finite" if losses and bad is None else "NOT FINITE: " + (
+                               _bad_text(r, bad) if bad is not None else "no loss")) + speed)
             else:
                 out.append(f"{label}, {r.get('setting')}: {r.get('status')} in {r.get('stage')}: "
                            f"{str(r.get('error') or '').strip()[:300]}")
     return out
+
+
+def bisect_lines(folder: Path) -> list[str]:
+    """benchmarks/bare_bisect.py's summary: the cause it points to, FLUX at 1024 px per kernel, the
+    kernel to run imglora with."""
+    summary, why = read_json(folder / "summary.json")
+    if summary is None:
+        return [f"bare control (no imglora): no result ({why})"] if folder.exists() else []
+    kernels = ", ".join(f"{k}: {v}" for k, v in summary.get("flux_1024", {}).items()) or "none ran"
+    return [f"bare control (no imglora): {summary.get('cause')}",
+            f"bare control, FLUX.1-dev 1024 px per kernel (PyTorch's default here: "
+            f"{summary.get('default_kernel') or 'unknown'}): {kernels}; kernel to use: {summary.get('kernel') or 'none found'}"]
 
 
 def render(args: argparse.Namespace) -> tuple[str, str, int, list[dict[str, str]]]:

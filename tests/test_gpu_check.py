@@ -358,7 +358,8 @@ def test_summary_reports_each_diagnosis_run(summary_mod, tmp_path) -> None:
         "'ScaledDotProductFlashAttentionBackward0' returned nan values in its 0th output."]
     (tmp_path / "diagnose-math" / "bench.json").write_text(json.dumps({"results": [
         {"setting": "fp8:18", "status": "ok", "losses": [3.38, float("nan")]}]}))
-    assert summary_mod.diagnosis_lines(tmp_path)[0].endswith("losses [3.380000, nan] NOT FINITE")
+    assert summary_mod.diagnosis_lines(tmp_path)[0] == (
+        "math attention kernel, asynchronous, fp8:18: losses [3.380000, nan] NOT FINITE: loss nan at update 2 of 2")
     assert summary_mod.diagnosis_lines(tmp_path / "nothing") == [] and summary_mod.diagnosis_lines(None) == []
 
 
@@ -501,33 +502,73 @@ def test_shellcheck_finds_nothing_if_installed() -> None:
 @pytest.mark.slow
 def test_a_bench_that_trained_nan_is_diagnosed_with_launch_blocking_and_anomaly_detection(tmp_path) -> None:
     """As after the first H200 run's bench (NaN from the second update): the diagnose step runs the
-    swapped setting again with the math attention kernel, then one update of it with
-    CUDA_LAUNCH_BLOCKING=1 and --detect-anomaly (here on the CPU, where the tiny model trains finite
-    losses, so both pass)."""
+    bare control (no imglora), then imglora's plain bf16:0 with offloaded checkpoints off, first with
+    the math attention kernel, then one update with CUDA_LAUNCH_BLOCKING=1 and --detect-anomaly (here
+    on the CPU, where the tiny model trains finite losses, so all pass)."""
     out = tmp_path / "check"
     (out / "bench-flux").mkdir(parents=True)
     nan = {"setting": "fp8:4", "status": "ok", "losses": [3.38, float("nan")]}
     (out / "bench-flux" / "bench.json").write_text(json.dumps({"results": [nan]}))
-    env = dict(_script_env(), GPU_CHECK_STEPS="diagnose")
+    env = dict(_script_env(), GPU_CHECK_STEPS="diagnose", GPU_CHECK_BISECT_CASES="env,flux:flash:1024")
     r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=600)
     log = (out / "check.log").read_text()
     status = {s.split("\t")[0]: s.split("\t")[1:] for s in (out / "steps.tsv").read_text().splitlines()}
+    # first the bare control, no imglora: its summary and the kernel it found finite
+    assert status["diagnose-bisect"][0] == "ok", log[-4000:]
+    assert json.loads((out / "bisect" / "summary.json").read_text())["flux_1024"] == {"flash": "ok"}
     assert status["diagnose"][0] == "ok", log[-4000:]
-    assert "CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection" in status["diagnose"][3]
-    assert "--detect-anomaly" in log and "--blocks fp8:4" in log
+    assert "CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection, one update of bf16:0" in status["diagnose"][3]
+    assert "--detect-anomaly --set memory.offload_checkpoints=false" in log and "--blocks bf16:0 --steps 1" in log
+    assert log.count("--set memory.offload_checkpoints=false") == 2
     diag = json.loads((out / "diagnose" / "bench.json").read_text())
-    assert [x["setting"] for x in diag["results"]] == ["fp8:4"] and diag["results"][0]["status"] == "ok"
-    # first, asynchronous as the bench, with PyTorch's math attention kernel: finite = a fused kernel's fault
+    assert [x["setting"] for x in diag["results"]] == ["bf16:0"] and diag["results"][0]["status"] == "ok"
+    # then asynchronous as the bench, with PyTorch's math attention kernel: finite = a fused kernel's fault
     assert status["diagnose-math"][0] == "ok" and "attention_kernel = math" in status["diagnose-math"][3]
     assert '--set memory.attention_kernel="math"' in log
     math = json.loads((out / "diagnose-math" / "bench.json").read_text())["results"][0]
     assert math["status"] == "ok" and len(math["losses"]) == 3 and all(x == x for x in math["losses"])
-    assert log.index("== [diagnose-math]") < log.index("== [diagnose]")
+    assert log.index("== [diagnose-bisect]") < log.index("== [diagnose-math]") < log.index("== [diagnose]")
     # the summary says what each diagnosis found
     summary = (out / "summary.md").read_text()
     assert "Diagnosis (the bench crashed or trained a NaN):" in summary
+    assert "- bare control, FLUX.1-dev 1024 px per kernel (PyTorch's default here: unknown): flash: ok; " \
+           "kernel to use: flash" in summary
     shown = ", ".join(f"{x:.6f}" for x in math["losses"])
-    assert f"- math attention kernel, asynchronous, fp8:4: losses [{shown}] all finite" in summary
-    assert "- CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection, fp8:4: losses [" in summary
+    assert f"- math attention kernel, asynchronous, bf16:0: losses [{shown}] all finite" in summary
+    assert "- CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection, bf16:0: losses [" in summary
     assert r.returncode in (0, 1)  # the summary of a dry run without bench, pytest or probe steps
+
+
+@pytest.mark.slow
+def test_the_gpu_window_s_two_commands_dry_run(tmp_path) -> None:
+    """The next GPU window: the bare bisect alone, then the bench with the kernel its summary names
+    (read from its file) and the SDXL and LLM families, as README's "GPU status" gives them."""
+    one, two = tmp_path / "gpu-1", tmp_path / "gpu-2"
+    env = dict(_script_env(), GPU_CHECK_STEPS="bisect", GPU_CHECK_BISECT_CASES="env,flux:flash:1024")
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(one)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    steps = {s.split("\t")[0]: s.split("\t")[1] for s in (one / "steps.tsv").read_text().splitlines()}
+    assert steps["bisect"] == "ok" and steps["bench"] == "skipped", (one / "check.log").read_text()[-3000:]
+    assert (one / "bisect" / "kernel").read_text() == "flash\n"
+    assert "- bare control (no imglora): " in (one / "summary.md").read_text()
+    env = dict(_script_env(), GPU_CHECK_STEPS="bench families", GPU_CHECK_BLOCKS="fp8:4,bf16:0",
+               GPU_CHECK_REFERENCE="bf16:0", GPU_CHECK_KERNEL=str(one / "bisect" / "kernel"))
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(two)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=900)
+    log = (two / "check.log").read_text()
+    steps = {s.split("\t")[0]: s.split("\t")[1] for s in (two / "steps.tsv").read_text().splitlines()}
+    assert steps["bench"] == steps["families-sdxl"] == steps["families-llm"] == "ok", log[-4000:]
+    assert "attention kernel for bench and families: flash (GPU_CHECK_KERNEL)" in log
+    bench = json.loads((two / "bench-flux" / "bench.json").read_text())
+    assert 'memory.attention_kernel="flash"' in bench["overrides"]
+    assert [x["setting"] for x in bench["results"]] == ["fp8:4", "bf16:0"]
+    agree = [a for a in bench["loss_agreement"] if a["reference"] == "bf16:0"]
+    assert agree and agree[0]["setting"] == "fp8:4"
+    summary = (two / "summary.md").read_text()
+    assert "- SDXL (full UNet), bf16:0: losses [" in summary and "- chat LLM (full architecture, 4-bit base), model:0: losses [" in summary
+    assert summary.count("all finite") >= 2
+    bad = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path / "x")], cwd=tmp_path,
+                         env=dict(env, GPU_CHECK_KERNEL="fast"), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "GPU_CHECK_KERNEL=fast: expected auto, flash, efficient, cudnn or math" in bad.stderr
+

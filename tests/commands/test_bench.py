@@ -97,6 +97,24 @@ def test_losses_of_one_precision_must_agree() -> None:
     assert gpu[0]["agree"] and gpu[0]["rtol"] == pytest.approx(2**-7)
 
 
+def test_fp8_storage_is_held_to_the_bf16_weights_within_its_own_stated_tolerance() -> None:
+    """fp8:18,bf16:0,fp8c:18 (the GPU window's bench): fp8 storage against bf16:0 within 5 % (e4m3
+    rounds every frozen weight: a different model, not bf16's resolution); fp8c has no fp8 storage
+    setting of its count here, so it is set against nothing."""
+    from imglora.commands.bench_agreement import FP8_STORAGE_RTOL
+
+    results = [_trained("fp8:18", [1.0, 0.52], "cuda"), _trained("bf16:0", [1.01, 0.5], "cuda"),
+               _trained("fp8c:18", [0.98, 0.5], "cuda")]
+    fp8c_vs_fp8 = [a for a in bench.loss_agreement(results) if a["setting"] == "fp8c:18"]
+    (a,) = [a for a in bench.loss_agreement(results) if a["reference"] == "bf16:0"]
+    assert a["setting"] == "fp8:18" and a["agree"] and a["rtol"] == FP8_STORAGE_RTOL == 0.05
+    assert a["max_rel_diff"] == pytest.approx(0.04) and "fp8 storage's tolerance 5e-02" in a["text"]
+    assert fp8c_vs_fp8 and fp8c_vs_fp8[0]["reference"] == "fp8:18"
+    (far,) = [a for a in bench.loss_agreement([_trained("fp8:18", [1.0], "cuda"), _trained("bf16:0", [1.2], "cuda")])
+              if a["reference"] == "bf16:0"]
+    assert not far["agree"] and far["text"].endswith("DIFFER: fp8 storage strays from the bf16 weights")
+
+
 def test_compiled_settings_parse_and_are_held_to_their_eager_setting_s_losses() -> None:
     settings = bench.parse_settings("fp8c+compile:18, fp8+compile:0,+compile:4,18", default_fp8=True)
     assert [(s.name, s.precision, s.compiled) for s in settings] == [

@@ -11,7 +11,7 @@ reported upstream: pytorch/pytorch #196678 (NaN ``grad_q`` for some sequence len
 backend on torch 2.13, clean with ``enable_cudnn_sdp(False)``), huggingface/diffusers #9768
 (CogVideoX LoRA NaN at the first step with cuDNN, clean with flash or efficient), NVIDIA/cudnn-frontend
 #160 and #1072. imglora's one H200 run trained NaN from the second update in every setting (a
-suspect, not a finding: ``benchmarks/flux_bisect.py`` times and checks every kernel, bare, so the
+suspect, not a finding: ``benchmarks/bare_bisect.py`` times and checks every kernel, bare, so the
 default can change on evidence). On a CPU ``auto`` is PyTorch's choice (its flash kernel, else math;
 there is no cuDNN kernel there).
 
