@@ -104,6 +104,7 @@ def test_the_core_never_imports_a_family_and_commands_reach_them_through_the_reg
 
 
 FAMILY_NAMES = re.compile(r"sdxl|flux|llm", re.IGNORECASE)
+NOT_FAMILY_NAMES = re.compile(r"fullmatch", re.IGNORECASE)  # words that merely contain one (re.fullmatch)
 
 
 def code_tokens(path: Path) -> list[tuple[int, str]]:
@@ -130,7 +131,7 @@ def test_only_the_families_package_names_a_family() -> None:
         if name.startswith("imglora.families"):
             continue
         offenders += [f"{path.relative_to(PKG)}:{line}: {text}" for line, text in code_tokens(path)
-                      if FAMILY_NAMES.search(text)]
+                      if FAMILY_NAMES.search(NOT_FAMILY_NAMES.sub("", text))]
     assert offenders == []
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -28,6 +26,8 @@ from . import (atomic, checkpoint, devices, distributed, economics, loop, oom, o
 from .data.batches import Batcher
 from .rng import SampleRNG, sample_seed
 from .errors import ImgloraError
+from .interrupt import Abandoned, saving
+from .interrupt import StopFlag as _StopFlag
 from .memory.wrap import check_swap_counts
 from .models import resolve_model
 
@@ -149,7 +149,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
             try:
                 with rec.phase("train_loop"), stages("training"), distributed.peers_guard(procs, run):
                     _loop(run, stop, batcher, rank, procs, device)
-            except _Abandoned:  # a second Ctrl-C during an update: that update is not saved
+            except Abandoned:  # a second Ctrl-C during an update: that update is not saved
                 return run.abandon(command)
             stop.saving = True  # only saving is left: from here on a Ctrl-C never abandons it
             return run.finish(run.step, time.perf_counter() - t_loop, command)
@@ -375,7 +375,7 @@ class _Run:
             self.last_good_ckpt = step
             return checkpoint.step_dir(self.run_dir, step)
         runlock.check_held(self.run_dir, f"at update {step}, before its checkpoint")
-        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"), _saving(self.stop_flag):
+        with self.rec.phase("checkpoints"), self.stages("checkpoint saving"), saving(self.stop_flag):
             path = checkpoint.save(self.run_dir, step, write_weights=self.write_weights, optimizer=self.s.optimizer,
                                    scheduler=self.s.scheduler, config=self.config_dict, config_hash=self.config_hash,
                                    keep=self.cfg.train.keep_checkpoints,
@@ -476,72 +476,6 @@ class _Run:
                         "above)") if self.watch.first else ""
             out(f"done: {step} updates in {telemetry.fmt_duration(loop_seconds)} {per}; adapter {adapter}{diverged}")
         return TrainResult(self.run_dir, adapter, step, interrupted, rec_path, self.stop_signal)
-
-
-class _Abandoned(KeyboardInterrupt):
-    """A second Ctrl-C while an update runs: stop at once, without saving that update."""
-
-
-@contextmanager
-def _saving(stop: "_StopFlag | None") -> Iterator[None]:
-    """A checkpoint being written: a Ctrl-C meanwhile is noted, never abandons it."""
-    if stop is None:
-        yield
-        return
-    before, stop.saving = stop.saving, True
-    try:
-        yield
-    finally:
-        stop.saving = before
-
-
-class _StopFlag:
-    """SIGTERM / Ctrl-C ask the loop to finish the current update, checkpoint and exit.
-
-    Ctrl-C is often pressed several times in a row; those within ``REPEAT_S`` of the first count as
-    the same one. A later one while an update still runs stops at once without saving it (raises
-    ``_Abandoned``: the last checkpoint is kept), which the first Ctrl-C's message says. A Ctrl-C
-    while a checkpoint is written never abandons it."""
-
-    REPEAT_S = 1.0
-
-    def __init__(self, last_checkpoint: Callable[[], str | None] = lambda: None, speak: bool = True) -> None:
-        self.speak = speak  # several processes: only the main one says what it does
-        self.signal: int | None = None
-        self.saving = False
-        self.last_checkpoint = last_checkpoint
-        self._at = 0.0
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopFlag":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.signal is None:
-            self.signal, self._at = signum, time.monotonic()
-            kept = self.last_checkpoint()
-            again = (" Press Ctrl-C again, a second or more from now, to stop at once without saving this update"
-                     f" ({f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint has been written yet'})."
-                     if signum == signal.SIGINT else "")
-            self._say(f"\n{name} received: finishing this update, then saving a checkpoint.{again}")
-        elif self.saving:
-            self._say(f"{name} received again: the checkpoint is being written and is not abandoned; it ends in a "
-                      "moment")
-        elif signum == signal.SIGINT and time.monotonic() - self._at >= self.REPEAT_S:
-            raise _Abandoned()
-        else:
-            self._say(f"{name} received again: already stopping after this update, then saving a checkpoint")
-
-    def _say(self, line: str) -> None:
-        if self.speak:
-            print(line, file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
 
 
 def _compiled_graphs() -> dict[str, int]:
