@@ -56,7 +56,10 @@ def test_lock_is_released_when_the_holder_raises(tmp_path: Path) -> None:
         pass
 
 
-def test_without_flock_a_dead_pid_is_taken_over_and_a_live_one_refused(tmp_path: Path, monkeypatch) -> None:
+def test_without_flock_only_the_live_run_a_lock_describes_keeps_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Where flock is missing the lock's process is checked as the UI's Stop checks it: a dead pid, or a
+    live pid that another program now has, is a stale lock taken over with a note; the live imglora
+    run the lock describes, or a lock written on another host, is refused."""
     import fcntl
     import json
     import socket
@@ -65,22 +68,46 @@ def test_without_flock_a_dead_pid_is_taken_over_and_a_live_one_refused(tmp_path:
         raise OSError(38, "Function not implemented")  # as on a file system without flock
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    lock = tmp_path / runlock.LOCK_NAME
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / runlock.LOCK_NAME
+    here = socket.gethostname()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "time": time.time(), "command": "x"}))
-    with runlock.hold(tmp_path):
+    lock.write_text(json.dumps({"pid": dead.pid, "host": here, "time": time.time(), "command": "imglora train x"}))
+    with runlock.hold(run):
         pass
+    assert f"a stale lock (pid {dead.pid} is not running" in capsys.readouterr().err
+    script = tmp_path / "bin" / "imglora"  # a live `imglora train x.toml` holding another folder's lock
+    script.parent.mkdir()
+    script.write_text(IMGLORA_HOLDER)
+    holder = subprocess.Popen([sys.executable, str(script), "train", "x.toml", str(tmp_path / "other")],
+                              stdout=subprocess.PIPE, text=True)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        lock.write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "time": time.time(),
-                                    "command": "imglora train other"}))
-        with pytest.raises(runlock.RunInUse, match=f"pid {sleeper.pid}.*imglora train other"):
-            with runlock.hold(tmp_path):
+        assert holder.stdout.readline().strip() == "held"
+        info = json.loads((tmp_path / "other" / runlock.LOCK_NAME).read_text())
+        lock.write_text(json.dumps(info))
+        with pytest.raises(runlock.RunInUse, match=f"pid {holder.pid}.*imglora train x.toml"):
+            with runlock.hold(run):
                 pass
+        lock.write_text(json.dumps(info | {"host": "elsewhere"}))
+        with pytest.raises(runlock.RunInUse, match="written on host 'elsewhere', so it cannot be checked from here"):
+            with runlock.hold(run):
+                pass
+        # a pid reused by another program (a sleeper, not imglora): the lock is stale
+        import psutil
+
+        lock.write_text(json.dumps({"pid": sleeper.pid, "host": here, "time": time.time(), "command": "imglora train x",
+                                    "create_time": psutil.Process(sleeper.pid).create_time()}))
+        with runlock.hold(run):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert f"a stale lock (pid {sleeper.pid} runs " in capsys.readouterr().err
+        assert sleeper.poll() is None  # nothing was signalled
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        for p in (holder, sleeper):
+            p.kill()
+            p.wait()
 
 
 def test_a_deleted_run_folder_or_a_replaced_lock_file_is_noticed(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ The lock is an ``flock`` on that file, so the kernel releases it when the proces
 SIGKILL included: a lock left by a dead process never blocks the next run. The file also holds
 the owner's pid, host, command and the process's start time (``create_time``, as psutil gives it;
 locks written before it was recorded lack it and are still read), so the refusal says who holds it;
-where ``flock`` is not available (some network file systems) the pid is checked instead, and a lock
-whose process no longer exists on this host is taken over.
+where ``flock`` is not available (some network file systems) the lock's process is checked instead,
+and a lock whose process is surely not its run (ended, or its pid reused by another process:
+``holder_gone``, by the rule ``process_matches`` gives the UI's Stop) is taken over with a note.
 
 ``process_matches(info)`` says whether a lock's process is, here and now, the imglora run the lock
 describes (None) or why not (a reason): the check before anything signals the pid a lock names.
@@ -144,17 +145,33 @@ def _clock(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _alive(info: dict) -> bool:
+def holder_gone(info: dict) -> str | None:
+    """Why the process a lock names is surely not running that lock's run (a stale lock to take over),
+    or None when it may be: by ``process_matches`` where psutil is installed (a pid reused by another
+    process is not the run), else by whether the pid exists. A lock of another host, or a process that
+    cannot be inspected, may be live: it is never taken over from here."""
     pid = info.get("pid")
-    if not isinstance(pid, int) or info.get("host") != socket.gethostname():
-        return isinstance(pid, int)  # another host's process: assume it is alive
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return f"the lock names no process id (pid {pid!r})"
+    if info.get("host") != socket.gethostname():
+        return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        import psutil
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"pid {pid} is not running (a stale lock: its process has ended)"
+        except PermissionError:
+            return None
+        return None
+    try:
+        psutil.Process(pid).status()
+    except psutil.AccessDenied:
+        return None
+    except psutil.Error:
+        pass  # gone: process_matches says so
+    return process_matches(info)
 
 
 @contextmanager
@@ -177,9 +194,14 @@ def hold(run_dir: str | os.PathLike, command: str | None = None) -> Iterator[Pat
                            "to finish, or train into another folder with --set run.name=<new name>") from None
         except (ImportError, OSError):  # no flock here: fall back to the pid written in the file
             other = _read(path)
-            if other and other.get("pid") != os.getpid() and _alive(other):
-                raise RunInUse(f"{run_dir} is in use by another imglora process ({_describe(other)}); wait for it, "
-                               f"or if it is gone delete {path}") from None
+            if other and other.get("pid") != os.getpid():
+                stale = holder_gone(other)
+                if stale is None:
+                    where = ("" if other.get("host") == socket.gethostname() else
+                             f"; it was written on host {other.get('host')!r}, so it cannot be checked from here")
+                    raise RunInUse(f"{run_dir} is in use by another imglora process ({_describe(other)}{where}); wait "
+                                   f"for it, or if it is gone delete {path}") from None
+                print(f"note: {path}: a stale lock ({stale}); taken over", file=sys.stderr)
         acquired = True
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
