@@ -69,6 +69,24 @@ def test_run_name_and_export_name_must_be_plain_names(tmp_path: Path) -> None:
     assert cfg.run_dir == Path("runs") / "my run 2" and cfg.export.name == "toy.safetensors"
 
 
+def test_a_caption_extension_with_a_folder_part_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    """data.caption_ext is joined to every image's name: a folder part or a bare dot used to pass
+    `imglora config` and then end `imglora train` in a ValueError from pathlib."""
+    rule = ("is not a file extension: give letters, digits, '_' or '-' after a dot, such as \".txt\" or "
+            "\".caption\" (no folder part, at most 32 characters)")
+    assert problems(SDXL, ['data.caption_ext="/../../etc/hostname"']) == [
+        f"--set data.caption_ext: '/../../etc/hostname' {rule}"]
+    for bad in ("''", '"."', '"../x"', '".a/b"', '".txt\\x"', '". txt"', '"' + "x" * 40 + '"'):
+        got = problems(SDXL, [f"data.caption_ext={bad}"])
+        assert len(got) == 1 and got[0].startswith("--set data.caption_ext: ") and rule in got[0], (bad, got)
+    got = problems(DATASETS, ['data.sets[2].caption_ext="a/b"'])
+    assert got == [f"--set data.sets[2].caption_ext: 'a/b' {rule}"]
+    for good in ('".txt"', '"caption"', '".cap.txt"', '".tags_v2"'):
+        assert load_config(SDXL, [f"data.caption_ext={good}"]).data.caption_ext == good.strip('"')
+    r = CliRunner().invoke(main, ["caption", str(tmp_path), "--caption-ext", "../x"])
+    assert r.exit_code == 2 and f"Invalid value for '--caption-ext': '../x' {rule}" in r.output, r.output
+
+
 def test_train_refuses_an_escaping_run_name_before_writing_anything(tmp_path: Path, small_run) -> None:
     overrides = [*small_run(("01_sky",)), "run.name=../../escaped"]
     r = CliRunner().invoke(main, ["train", str(SDXL), *[x for o in overrides for x in ("--set", o)]])

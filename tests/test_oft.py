@@ -82,6 +82,26 @@ def test_keys_without_meaning_for_oft_are_refused_at_once() -> None:
         load_config(PRESET, ['lora.type="oft"', "lora.rank=4", "lora.alpha=0", 'export.format="kohya"'])
 
 
+def test_a_parent_preset_s_alpha_is_dropped_with_a_note_when_the_child_chooses_oft(tmp_path: Path) -> None:
+    """`--set lora.type="oft"` on a shipped preset whose parent sets alpha (which --set cannot remove):
+    the inherited value is dropped with a note; the same key in the preset itself or by --set is an error."""
+    parent = tmp_path / "parent.toml"
+    parent.write_text(f'extends = "{PRESET}"\n[lora]\nalpha = 12\ndropout = 0.1\n')  # (as presets/sdxl.toml sets alpha)
+    child = tmp_path / "child.toml"
+    child.write_text(f'extends = "{parent}"\n[export]\nformat = "default"\n')
+    cfg = load_config(child, ['lora.type="oft"', "lora.rank=4"])
+    assert (cfg.lora.type, cfg.lora.alpha, cfg.lora.dropout) == ("oft", 4.0, 0.0)
+    assert f'lora.alpha = 12.0 from the parent preset {parent} is dropped: it has no meaning for lora.type = "oft" ' \
+           "(an orthogonal rotation per block of lora.rank outputs, unscaled)" in cfg.notes
+    assert f"lora.dropout = 0.1 from the parent preset {parent} is dropped: it applies to lora.type = 'lora' or " \
+           "'dora' only, and lora.type = 'oft' (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)" in cfg.notes
+    with pytest.raises(ConfigError, match=r'--set lora.alpha: has no meaning for lora.type = "oft" .*; remove it'):
+        load_config(child, ['lora.type="oft"', "lora.rank=4", "lora.alpha=6"])
+    child.write_text(f'extends = "{parent}"\n[export]\nformat = "default"\n[lora]\nalpha = 6\n')
+    with pytest.raises(ConfigError, match=rf"{child}: lora.alpha: has no meaning for lora.type = \"oft\""):
+        load_config(child, ['lora.type="oft"', "lora.rank=4"])
+
+
 def test_merge_and_unmerge_fold_the_rotation_into_the_weight_and_back() -> None:
     import copy
 

@@ -350,6 +350,16 @@ def fetch_cmd(preset: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     fetch(preset, overrides, dry_run=dry_run, out=click.echo)
 
 
+
+def _extension_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from .config.checks import extension_problem
+
+    why = extension_problem(value)
+    if why:
+        raise click.BadParameter(why)
+    return value
+
+
 @main.command("caption", short_help="Write .txt captions for the images of a folder that have none.")
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="A vision-language model (hub id or folder) with a chat template "
@@ -362,7 +372,7 @@ def fetch_cmd(preset: str, overrides: tuple[str, ...], dry_run: bool) -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--prompt", default="", help="Ask the model this instead of the style's instruction.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=0, help="0 = the style's (96 natural, 64 tags).")
-@click.option("--caption-ext", default=".txt", show_default=True)
+@click.option("--caption-ext", default=".txt", show_default=True, callback=_extension_option)
 @click.option("--resolution", type=click.IntRange(min=64), default=1024, show_default=True,
               help="Training resolution the scan's crop and upscale warnings are judged at.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if present), cpu or cuda.")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .. import economics
-from .schema import BudgetConfig, Config, DataConfig
+from .schema import BudgetConfig, Config, DataConfig, LoraConfig
 
 Where = Callable[[str], str]
 
@@ -141,6 +141,19 @@ def is_plain_name(name: str) -> bool:
     return bool(name) and not name.startswith(".") and not _NOT_IN_A_NAME.search(name)
 
 
+
+_EXTENSION = re.compile(r"\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+
+
+def extension_problem(value: str) -> str | None:
+    """Why ``value`` is not a file extension (``.txt``, ``txt``, ``.cap.txt``), or None. It is joined
+    to each image's name, so a folder part (``/../x``), a dot alone or an empty one would write or read
+    elsewhere, or fail deep inside pathlib."""
+    if _EXTENSION.fullmatch(value) and len(value) <= 32:
+        return None
+    return (f"{value!r} is not a file extension: give letters, digits, '_' or '-' after a dot, such as \".txt\" or "
+            "\".caption\" (no folder part, at most 32 characters)")
+
 def export_stem(name: str) -> str:
     """An export name as written, without spaces around it or the ``.safetensors`` it may end in."""
     name = name.strip()
@@ -158,32 +171,44 @@ def _name_checks(cfg: Config, where: Where, problems: list[str]) -> None:
                         "the folder with export.comfyui_dir or `imglora export --out`)")
 
 
+_ONLY = {"dropout": ("lora", "dora"), "rank_dropout": ("loha", "lokr"), "module_dropout": ("loha", "lokr"),
+         "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",),
+         "loraplus_lr_ratio": ("lora", "dora")}
+_UNSET = {"dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "effective_conv2d": False, "factor": -1,
+          "decompose_both": False, "loraplus_lr_ratio": 0.0}
+_HINT = {"dropout": " (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)",
+         "rank_dropout": " (LoRA/DoRA: lora.dropout)", "module_dropout": " (LoRA/DoRA: lora.dropout)"}
+_OFT_UNSET = {"block_ranks": {}, "block_alphas": {}, "conv_rank": 0, "conv_alpha": 0.0, "text_encoder": False}
+
+
+def meaningless_lora_keys(lo: LoraConfig) -> dict[str, tuple[Any, str]]:
+    """The [lora] keys set to a value that means nothing for ``lo.type``: each with the value that
+    unsets it and why. The checks refuse such a key set in the preset itself or by ``--set``; the
+    loader drops one inherited from a parent preset (``extends``), with a note."""
+    kind, out = lo.type, {}
+    for key, kinds in _ONLY.items():
+        if kind not in kinds and getattr(lo, key) != _UNSET[key]:
+            out[key] = (_UNSET[key], f"applies to lora.type = {' or '.join(map(repr, kinds))} only, and lora.type = "
+                                     f"{kind!r}{_HINT.get(key, '')}")
+    if kind == "oft":  # one rotation per block of outputs: no alpha, no per-block or conv ranks, no text encoders
+        why = "has no meaning for lora.type = \"oft\" (an orthogonal rotation per block of lora.rank outputs, unscaled)"
+        if lo.alpha and lo.alpha != lo.rank:
+            out["alpha"] = (float(lo.rank), why)
+        for key, unset in _OFT_UNSET.items():
+            if getattr(lo, key):
+                out[key] = (dict(unset) if isinstance(unset, dict) else unset, why)
+    return out
+
+
 def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     """Each [lora] key belongs to some adapter types; one set for another type is an error, not ignored."""
-    lo, kind = cfg.lora, cfg.lora.type
-    only = {"dropout": ("lora", "dora"), "rank_dropout": ("loha", "lokr"), "module_dropout": ("loha", "lokr"),
-            "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",),
-            "loraplus_lr_ratio": ("lora", "dora")}
-    unset = {"dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "effective_conv2d": False, "factor": -1,
-             "decompose_both": False, "loraplus_lr_ratio": 0.0}
-    for key, kinds in only.items():
-        if kind not in kinds and getattr(lo, key) != unset[key]:
-            hint = {"dropout": " (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)",
-                    "rank_dropout": " (LoRA/DoRA: lora.dropout)", "module_dropout": " (LoRA/DoRA: lora.dropout)"}
-            problems.append(f"{where(f'lora.{key}')}: applies to lora.type = {' or '.join(map(repr, kinds))} only, "
-                            f"and lora.type = {kind!r}{hint.get(key, '')}")
+    lo = cfg.lora
+    for key, (_, why) in meaningless_lora_keys(lo).items():
+        problems.append(f"{where(f'lora.{key}')}: {why}; remove it")
     if lo.factor == 0:
         problems.append(f"{where('lora.factor')}: must be -1 (automatic) or a positive divisor, got 0")
-    if kind == "oft":  # one rotation per block of outputs: no alpha, no per-block or conv ranks, no text encoders
-        unsupported = [k for k, on in (("alpha", lo.alpha and lo.alpha != lo.rank), ("block_ranks", lo.block_ranks),
-                                       ("block_alphas", lo.block_alphas), ("conv_rank", lo.conv_rank),
-                                       ("conv_alpha", lo.conv_alpha), ("text_encoder", lo.text_encoder)) if on]
-        for key in unsupported:
-            problems.append(f"{where(f'lora.{key}')}: has no meaning for lora.type = \"oft\" (an orthogonal rotation per "
-                            "block of lora.rank outputs, unscaled); remove it")
-        if lo.rank < 2:
-            problems.append(f"{where('lora.rank')}: OFT's block size must be at least 2, got {lo.rank}")
-
+    if lo.type == "oft" and lo.rank < 2:
+        problems.append(f"{where('lora.rank')}: OFT's block size must be at least 2, got {lo.rank}")
 
 
 def set_key(data: DataConfig, index: int, key: str) -> str:
@@ -226,6 +251,9 @@ def data_checks(d: DataConfig, where: Where, problems: list[str]) -> None:
         def at(key: str) -> str:
             return where(set_key(d, i, key))
 
+        why = extension_problem(s.caption_ext)
+        if why:
+            problems.append(f"{at('caption_ext')}: {why}")
         if d.bucket_step > s.resolution:
             problems.append(f"{where('data.bucket_step')}: {d.bucket_step} is larger than "
                             f"{set_key(d, i, 'resolution')} = {s.resolution}")

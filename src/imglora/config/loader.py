@@ -33,6 +33,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from ..errors import ConfigError
 from .checks import cross_checks
+from .checks import meaningless_lora_keys
 from .checks import notes as config_notes
 from .keys import list_item_class
 from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config
@@ -312,11 +313,29 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
         sections["run"] = dataclasses.replace(sections["run"], name=default_name)
     if sections["lora"].alpha == 0:
         sections["lora"] = dataclasses.replace(sections["lora"], alpha=float(sections["lora"].rank))
+    _drop_inherited_lora_keys(sections, origin, source, notes)
     cfg = Config(version=raw.get("version", SCHEMA_VERSION), source=source, family=family_section,
                  notes=tuple(notes), **sections)
     cross_checks(cfg, where, problems)
     families.check(cfg, where, problems)
     return dataclasses.replace(cfg, notes=(*cfg.notes, *config_notes(cfg, where)))
+
+
+def _drop_inherited_lora_keys(sections: dict[str, Any], origin: dict[str, str], source: str, notes: list[str]) -> None:
+    """A [lora] key that means nothing for the chosen lora.type and was set by a parent preset (which
+    the user cannot unset with --set: ``--set lora.type="oft"`` on a preset extending one with
+    ``alpha``) is dropped with a note; one set in the preset itself or by --set stays, and is an error."""
+    lo = sections["lora"]
+    own = {str(Path(source)), "--set"}
+    drop = {}
+    for key, (unset, why) in meaningless_lora_keys(lo).items():
+        src = _origin_of(origin, f"lora.{key}")
+        if src and src.partition(" (")[0] not in own:
+            drop[key] = unset
+            notes.append(f"lora.{key} = {getattr(lo, key)!r} from the parent preset {src.partition(' (')[0]} is dropped: "
+                         f"it {why.removeprefix('it ')}")
+    if drop:
+        sections["lora"] = dataclasses.replace(lo, **drop)
 
 
 _LAST_PART = re.compile(r"(\[\d+\]|\.[^.\[\]]*)$")  # ".key" or "[3]" at the end of a dotted key
