@@ -98,7 +98,7 @@ def measure(phase: str, folder: Path, device: str) -> dict:
     from imglora.families import registry
     from imglora.families.flux import singlefile
     from imglora.memory.fp8 import quantize_fp8, weight_bytes
-    from imglora.source import ModelSource
+    from imglora.models.source import ModelSource
 
     family = registry.get("flux")
     repo = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def measure(phase: str, folder: Path, device: str) -> dict:
         f"cache.quantized_base={'false' if phase == 'streamed' else 'true'}"])
     src = ModelSource(folder, {"transformer": folder / "flux-shrunk.safetensors"})
     dev = torch.device(device)
-    from imglora.record import cached_sha256
+    from imglora.runs.record import cached_sha256
 
     cached_sha256(src.files["transformer"])  # hashed once, outside the timing (remembered across runs)
     base = status_kib("RssAnon") * 1024

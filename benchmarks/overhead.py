@@ -57,7 +57,8 @@ class Imglora:
     def __init__(self, cfg: Any, family: Any, src: Any, data: Any, batcher: Any, device: Any):
         import torch
 
-        from imglora import devices, loop
+        from imglora.util import devices
+        from imglora.training import step as loop
 
         self.cfg, self.family, self.batcher, self.device = cfg, family, batcher, device
         accelerator = loop.accelerator_for(cfg)
@@ -69,7 +70,8 @@ class Imglora:
     def update(self, step: int) -> None:
         import torch
 
-        from imglora import loop, rng, training
+        from imglora.training import step as loop, trainer as training
+        from imglora.util import rng
 
         cfg = self.cfg
         rng.seed_global(loop.step_seed(cfg.train.seed, step))
@@ -91,7 +93,8 @@ class Bare:
         from peft import inject_adapter_in_model
         from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
-        from imglora import devices, loop
+        from imglora.util import devices
+        from imglora.training import step as loop
 
         if src.files:
             sys.exit("overhead.py compares against diffusers' folder loading: point model.path at a diffusers folder")
@@ -261,7 +264,7 @@ def choose_steps(batcher: Any, mode: str, count: int, start: int) -> list[int]:
 
 
 def timed(side: Any, steps: list[int], device: Any) -> list[float]:
-    from imglora import devices
+    from imglora.util import devices
 
     times = []
     for step in steps:
@@ -360,10 +363,11 @@ def main() -> None:
 
     import torch
 
-    from imglora import devices, record
+    from imglora.util import devices
+    from imglora.runs import record
     from imglora.commands.common import family_of, load_config
     from imglora.data.batches import Batcher
-    from imglora.models import resolve_model
+    from imglora.models.resolve import resolve_model
 
     torch.set_num_threads(args.threads)
     preset_family = load_config(args.preset).model.family

@@ -4,7 +4,7 @@ architectures shrunk in depth only (real widths, so every layer and activation h
 For each case: the plan (device cpu: fp32, no autocast) from the architecture on the meta device,
 then the same model materialised with random weights on the CPU, LoRA + fp8 + block swap + AdamW
 exactly as `imglora train` builds them, three updates under a tensor-allocation meter
-(`imglora.memory.meter.LiveBytes`, plus what is allocated before it starts), and the ratio.
+(`imglora.plan.meter.LiveBytes`, plus what is allocated before it starts), and the ratio.
 
     python benchmarks/plan_check.py                 # FLUX 2+4 blocks, SDXL with 1 transformer layer per level
     python benchmarks/plan_check.py --quick         # FLUX 1+1 blocks only (the slow test runs this)
@@ -56,8 +56,9 @@ def config_dir(family_name: str, part: str, changes: dict, dest: Path) -> Path:
 def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     import torch
 
-    from imglora import loop, plan, plan_budget
-    from imglora.tiny import random_init
+    from imglora.training import step as loop
+    from imglora.plan import predict as plan
+    from imglora.models.tiny import random_init
 
     setting = plan.Setting(precision, blocks)
     t = time.perf_counter()
@@ -70,7 +71,7 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
                                  blocks_to_swap=blocks)
     batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
     t = time.perf_counter()
-    peak = plan_budget.measured_peak(session, batch)
+    peak = loop.measured_peak(session, batch)
     step_seconds = [round((time.perf_counter() - t) / 3, 2)]
     return {"setting": setting.name, "predicted": predicted.device_peak, "measured": peak,
             "ratio": predicted.device_peak / peak, "terms": {t.key: t.bytes for t in predicted.terms},
@@ -86,7 +87,7 @@ def main() -> None:
     import torch
 
     from imglora.commands.common import family_of, load_config
-    from imglora.source import ModelSource
+    from imglora.models.source import ModelSource
 
     names = ["flux-1+1"] if args.quick else ["flux-2+4", "sdxl-1,1,1"]
     rows = []

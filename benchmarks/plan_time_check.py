@@ -46,8 +46,9 @@ def measure(cfg, family, src, precision: str, blocks: int, resolution: int, warm
             real_width: bool) -> dict:
     import torch
 
-    from imglora import loop, plan, plan_time
-    from imglora.tiny import random_init
+    from imglora.training import step as loop
+    from imglora.plan import predict as plan, timing as plan_time
+    from imglora.models.tiny import random_init
 
     device = plan_time.calibrate_cpu()
     predicted = plan.predict(cfg, family, [plan.Setting(precision, blocks)], device_kind="cpu", src=src,
@@ -83,10 +84,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from imglora import plan_time
+    from imglora.plan import timing as plan_time
     from imglora.commands.common import family_of, load_config
-    from imglora.models import resolve_model
-    from imglora.source import ModelSource
+    from imglora.models.resolve import resolve_model
+    from imglora.models.source import ModelSource
     from plan_check import config_dir
 
     names = [n.strip() for n in args.cases.split(",") if n.strip()]

@@ -65,7 +65,7 @@ def tiny_run(steps: int) -> dict:
     from imglora.commands.train import train
     from imglora.data import cache
     from imglora.families import get_family
-    from imglora.models import resolve_model
+    from imglora.models.resolve import resolve_model
 
     tmp = Path(tempfile.mkdtemp(prefix="text-variants-"))
     try:

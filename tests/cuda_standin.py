@@ -291,7 +291,7 @@ class AsyncCuda(FakeCuda):
     def install(self, monkeypatch) -> None:
         """torch.cuda is the stand-in's, and the product takes its CUDA code paths on CPU tensors
         (devices.REHEARSING_CUDA_ON_CPU)."""
-        from imglora import devices
+        from imglora.util import devices
 
         super().install(monkeypatch)
         monkeypatch.setattr(devices, "REHEARSING_CUDA_ON_CPU", True)

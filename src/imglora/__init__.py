@@ -1,5 +1,5 @@
 """imglora: LoRA training for image models (and chat LLMs) on rented GPUs."""
 
-from .version import __version__
+from .util.version import __version__
 
 __all__ = ["__version__"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .version import __version__
+from .util.version import __version__
 from .errors import ImgloraError
 
 SET_HELP = "Override a preset key, e.g. --set train.max_steps=100 (repeatable)."
@@ -47,7 +47,7 @@ def main(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from .progress import is_tty
+    from .runs.progress import is_tty
 
     # Logs written to a file or pipe get the time of each line, as imglora's own lines do.
     fmt = "%(levelname)s %(name)s: %(message)s" if is_tty(sys.stderr) else "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
@@ -78,7 +78,7 @@ def config_cmd(preset: str, overrides: tuple[str, ...], keys: bool) -> None:
         for key, default, help_ in config.field_help(registry):
             click.echo(f"{key} = {default}\n    {help_}")
         return
-    from .resume import check_dependencies
+    from .training.resume import check_dependencies
 
     cfg = _load(preset, overrides)
     try:  # what `train` checks next, before any model: packages (and CUDA) this machine lacks
@@ -114,9 +114,9 @@ def train_cmd(preset: str, overrides: tuple[str, ...], resume: bool, gpus: int |
     """Train a LoRA adapter: cache, train, checkpoint, write the adapter and run record."""
     import shlex
 
-    from . import distributed
+    from .util import distributed
     from .commands.train import train
-    from .progress import stamped
+    from .runs.progress import stamped
 
     cfg = _load(preset, overrides)  # checked once here, before any process starts
     if gpus and gpus > 1 and distributed.launched_processes() == 1:
@@ -209,7 +209,7 @@ def bench_swap_cmd(preset, overrides, blocks, fp8, steps, warmup, resolution, vr
                    gpus, detect_anomaly):
     """Measure seconds per update and peak memory for several swap settings; name the fastest that fits."""
     from .commands import bench
-    from .progress import stamped
+    from .runs.progress import stamped
 
     cfg = _load(preset, overrides)
     settings = bench.parse_settings(blocks, cfg.memory.fp8 if fp8 is None else fp8)
@@ -381,7 +381,7 @@ def caption_cmd(folder, model, trigger, style, overwrite, batch_size, prompt, ma
     """Caption the images in FOLDER (and its <repeats>_<name> subfolders) that have no caption: one .txt
     each, from a vision-language model through transformers, in batches, with progress; existing captions
     are kept unless --overwrite. Afterwards the dataset scan's warnings for the folder are printed."""
-    from .caption import DEFAULT_MODEL, caption_folder
+    from .commands.caption import DEFAULT_MODEL, caption_folder
 
     caption_folder(folder, model=model or DEFAULT_MODEL, trigger=trigger, style=style, overwrite=overwrite,
                    batch_size=batch_size, prompt=prompt, max_new_tokens=max_new_tokens, caption_ext=caption_ext,
@@ -422,15 +422,75 @@ def ui_cmd(root: str, presets: str | None, host: str, port: int, token: str | No
           no_token=no_token, allow_hosts=allow_hosts, out=click.echo)
 
 
-def _register_split_commands() -> None:
-    from .cli_eval import eval_cmd
-    from .cli_merge import merge_cmd
-
-    main.add_command(eval_cmd, "eval")
-    main.add_command(merge_cmd, "merge")
+# -- eval and merge ------------------------------------------------------------------------------
 
 
-_register_split_commands()
+def _strengths(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected numbers separated by commas, e.g. 0,0.5,1") from None
+    if not out:
+        raise click.BadParameter("give at least one strength, e.g. 0,0.5,1")
+    return out
+
+
+def _checkpoint(ctx: click.Context, param: click.Parameter, value: str) -> str | int:
+    if value in ("latest", "final"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise click.BadParameter(f"{value!r}: expected an update number, latest or final")
+
+
+@main.command("eval", short_help="Evaluate a run: contact sheets, held-out loss, best checkpoint.")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--checkpoint", "which", default="latest", show_default=True, metavar="STEP|latest|final",
+              callback=_checkpoint, help="Which adapter: a checkpoint's update number, the newest one, or "
+                                         "the run's final adapter/.")
+@click.option("--all-checkpoints", is_flag=True, help="Evaluate every kept checkpoint, plot held-out and "
+                                                      "training loss against step, name the best.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              help="Text file with one prompt per line (# starts a comment); default eval.prompts, else "
+                   "training captions with and without the trigger word.")
+@click.option("--strengths", callback=_strengths, metavar="S,S,...",
+              help="Adapter strengths, the contact sheet's columns; default eval.strengths (0,0.5,1). "
+                   "0 is the base model.")
+@click.option("--seed", type=int, help="Seed of the images; default eval.seed.")
+@click.option("--weights", type=click.Choice(["auto", "raw", "ema", "both"]), default="auto", show_default=True,
+              help="raw: the trained weights; ema: train.ema's moving average; both: columns for each; auto: both "
+                   "when the run kept a moving average, else raw.")
+@click.option("--set", "overrides", multiple=True, metavar="eval.KEY=VALUE",
+              help="Override an eval.* key, e.g. --set eval.blocks_to_swap=0 --set eval.sample_steps=28.")
+def eval_cmd(run_dir: str, which: str | int, all_checkpoints: bool, prompts_file: str | None,
+             strengths: list[float] | None, seed: int | None, weights: str, overrides: tuple[str, ...]) -> None:
+    """Evaluate a trained run in a fresh process: images per prompt and adapter strength with a
+    contact sheet, held-out and training-image loss, and an eval record with its peak memory."""
+    from .commands.evaluate import evaluate
+    from .runs.progress import stamped
+
+    evaluate(run_dir, checkpoint=which, all_checkpoints=all_checkpoints, prompts_file=prompts_file,
+             strengths=strengths, seed=seed, overrides=overrides, weights=weights, out=stamped(click.echo))
+
+
+@main.command("merge", short_help="Merge an adapter into its full-precision base and save a model folder.")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--out", required=True, type=click.Path(), help="Folder for the merged model (a normal transformers folder).")
+@click.option("--checkpoint", "which", default=None, metavar="STEP|latest",
+              help="Merge a checkpoint's adapter instead of the run's final one.")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="Precision of the merged weights; auto = the base model's own.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists and is not empty.")
+def merge_cmd(run_dir: str, out: str, which: str | None, dtype: str, force: bool) -> None:
+    """Merge a run's LoRA adapter into the full-precision base model (merge_and_unload) and save the
+    result, with the tokenizer, as a model folder that transformers and vLLM load directly (for the
+    families that support it: chat LLMs)."""
+    from .commands.merge import merge
+
+    merge(run_dir, out, which=which, dtype=dtype, force=force, log=click.echo)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -18,7 +18,7 @@ else (no stubs raising ``NotImplementedError``):
   transformer with its text encoders and VAE as files), as well as from a model folder.
 * ``EditPairs``: an edit model trained on (source, target) pairs (``control_dir``).
 
-A family loads its model from a ``ModelSource`` (``imglora.models``): a folder in its own layout,
+A family loads its model from a ``ModelSource`` (``imglora.models.source``): a folder in its own layout,
 or single files plus a folder of configs and tokenizers.
 
 Families live in ``imglora.families`` (one folder each, registered in one line); the core never
@@ -35,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
     from .data.samples import PreparedData
-    from .source import ModelSource
+    from .models.source import ModelSource
 
 
 class Trainable(Protocol):
@@ -183,22 +183,49 @@ class EditPairs(Protocol):
     control_images: int  # the most source images a target takes (1; several for multi-image edit models)
 
 
+# Attributes a family may have beyond its protocols, each with what a family without it means. The
+# core reads them only through ``option(family, name)`` (a test refuses a getattr/hasattr of an
+# undeclared family attribute anywhere outside families/), so this table is the whole list.
+OPTIONS: dict[str, Any] = {
+    # data
+    "loss_units": None,  # (entries) -> int: a batch's loss weight (tokens of a chat LLM), else its images
+    "text_reads_sources": False,  # EditPairs whose text encoder reads the source images with the caption
+    "default_text_length": None,  # (src) -> int: the caption token length where the model decides it
+    "text_options": None,  # (cfg) -> dict: settings that change the text encoders' output (cache key too)
+    # adapters
+    "lora_blocks": {},  # lora.blocks' kinds -> the block list each names ({"double": "transformer_blocks"})
+    "unused_outputs": None,  # (model) -> [module]: layers whose output the model discards (no adapter there)
+    # memory and plan
+    "compile_blocks": (),  # class names of the repeated blocks memory.compile = "blocks" compiles
+    "streams_blocks": False,  # the model is read block by block (the plan's host-RAM term)
+    # fetch
+    "published_files": {},  # single-file name -> (hub repo, file): what `imglora fetch` downloads
+}
+
+
+def option(family: Any, name: str) -> Any:
+    """``family``'s optional attribute ``name`` (declared in ``OPTIONS``), else its default there."""
+    if name not in OPTIONS:
+        raise AttributeError(f"{name!r} is not a declared family option (imglora.family.OPTIONS)")
+    return getattr(family, name, OPTIONS[name])
+
+
 def text_length(family: Any, cfg: "Config", src: "ModelSource") -> int:
     """The token length captions are encoded at: ``cache.text_max_length``, else the family's
     default for this model (``default_text_length(src)`` where the model decides it, e.g.
     FLUX.1-schnell's 256 against FLUX.1-dev's 512), else its ``text_max_length``."""
     if cfg.cache.text_max_length:
         return cfg.cache.text_max_length
-    if hasattr(family, "default_text_length"):
-        return family.default_text_length(src)
-    return family.text_max_length
+    default = option(family, "default_text_length")
+    return default(src) if default is not None else family.text_max_length
 
 
 def text_options(family: Any, cfg: "Config") -> dict[str, Any]:
     """Settings that change what the text encoders give for a caption (e.g. FLUX's
     ``apply_t5_attn_mask``): part of a text entry's cache key, and passed to ``encode_text`` as
     keywords. Empty for a family without such settings (its keys and calls stay as they were)."""
-    return family.text_options(cfg) if hasattr(family, "text_options") else {}
+    options = option(family, "text_options")
+    return options(cfg) if options is not None else {}
 
 
 def supports(family: Any, capability: type) -> bool:

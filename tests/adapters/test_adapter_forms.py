@@ -2,7 +2,7 @@
 
 Each case injects one peft adapter (alpha != rank) into a one-layer module, randomizes every
 adapter tensor (peft zero-inits one factor, and DoRA's magnitude equals the base norm), exports
-it with ``imglora.adapter_forms`` through safetensors, and patches the base weight with the
+it with ``imglora.adapters.forms`` through safetensors, and patches the base weight with the
 reimplementation of ComfyUI's math in ``comfy_math``. Ground truth is peft's own ``merge``.
 """
 
@@ -19,8 +19,8 @@ from safetensors.torch import load, save
 from torch import nn
 
 import comfy_math as comfy
-from imglora import adapter_forms as af
-from imglora import oft
+from imglora.adapters import forms as af
+from imglora.adapters import oft
 from imglora.errors import ImgloraError
 
 PREFIX = "lora_unet_block_0"  # any key in ComfyUI's key map; the module here is "block.0"
@@ -116,7 +116,7 @@ def _cases() -> list[Case]:
         # LoHa on a 3x3 conv without the CP form: flat (out, in*kh*kw) factors
         Case("loha-flat-conv3x3", "loha", "conv3x3", loha_cfg(4, 6.0, use_effective_conv2d=False), 4, 6.0, LOHA),
     ]
-    # OFT (imglora.oft: peft's rotation applied to the outputs), blocks of 4 and of 8 outputs
+    # OFT (imglora.adapters.oft: peft's rotation applied to the outputs), blocks of 4 and of 8 outputs
     cases += [Case(f"oft-{b}-{layer}", "oft", layer, oft_cfg(b), b, 0.0, frozenset({"oft_R.weight"}))
               for layer in LAYERS for b in (4, 8)]
     return cases

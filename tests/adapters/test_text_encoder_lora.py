@@ -15,14 +15,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 import comfy_math as comfy
-from imglora import checkpoint, lora
+from imglora.training import checkpoint
+from imglora.adapters import inject as lora
 from imglora.commands.common import load_config
 from imglora.commands.export import export as export_run
 from imglora.commands.train import train
 from imglora.errors import ConfigError
 from imglora.families import get_family
-from imglora.families.diffusers_image import ADAPTER_FILE, clip_path
-from imglora.models import resolve_model
+from imglora.families._shared.diffusers_image import ADAPTER_FILE, clip_path
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5

@@ -22,13 +22,14 @@ from safetensors.torch import load_file
 from torch import nn
 
 import comfy_math as comfy
-from imglora import checkpoint, lora
+from imglora.training import checkpoint
+from imglora.adapters import inject as lora
 from imglora.commands.common import load_config
 from imglora.commands.export import export as export_run
 from imglora.commands.train import train
 from imglora.families import get_family
-from imglora.families.diffusers_image import ADAPTER_FILE
-from imglora.models import resolve_model
+from imglora.families._shared.diffusers_image import ADAPTER_FILE
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("lora", "dora", "loha", "lokr", "oft")
@@ -148,10 +149,10 @@ def runs(tmp_path_factory, sample_dataset):
 
 
 def comfy_case(family: str, kind: str):
-    # plain LoRA's export is also checked on synthetic weights by tests/test_export.py
+    # plain LoRA's export is also checked on synthetic weights by tests/export/test_writer.py
     # (sdxl-lokr in CI only: the default run stays under 6 minutes; flux-lokr stays in it)
     slow = kind == "lora" or (family, kind) in (("sdxl", "lokr"), ("sdxl", "dora"), ("sdxl", "oft"), ("sdxl", "loha"),
-                                                  ("flux", "oft"))  # OFT: also tests/test_oft.py
+                                                  ("flux", "oft"))  # OFT: also tests/adapters/test_oft.py
     return pytest.param(family, kind, marks=(pytest.mark.slow,) if slow else (), id=f"{family}-{kind}")
 
 
@@ -201,7 +202,7 @@ def test_flux_dora_on_norm_out_swaps_dora_scale_with_the_halves(tmp_path) -> Non
     from peft import LoraConfig
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from imglora import record
+    from imglora.runs import record
 
     fam = get_family("flux")
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", ['lora.type="dora"', "lora.rank=2", "lora.alpha=3"])

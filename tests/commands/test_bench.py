@@ -101,7 +101,7 @@ def test_fp8_storage_is_held_to_the_bf16_weights_within_its_own_stated_tolerance
     """fp8:18,bf16:0,fp8c:18 (the GPU window's bench): fp8 storage against bf16:0 within 5 % (e4m3
     rounds every frozen weight: a different model, not bf16's resolution); fp8c has no fp8 storage
     setting of its count here, so it is set against nothing."""
-    from imglora.commands.bench_agreement import FP8_STORAGE_RTOL
+    from imglora.plan.agreement import FP8_STORAGE_RTOL
 
     results = [_trained("fp8:18", [1.0, 0.52], "cuda"), _trained("bf16:0", [1.01, 0.5], "cuda"),
                _trained("fp8c:18", [0.98, 0.5], "cuda")]
@@ -369,7 +369,7 @@ def test_the_worker_traces_its_stages_on_stderr(capfd) -> None:
 
 def _nan_from_update(n: int, monkeypatch) -> None:
     """The loss's backward gives NaN gradients from update ``n`` on (a broken kernel, as it were)."""
-    from imglora import loop
+    from imglora.training import step as loop
 
     real = loop.forward_loss
     calls = [0]

@@ -39,7 +39,7 @@ def small(monkeypatch):
 
 @pytest.fixture()
 def on_cpu_too(monkeypatch):
-    from imglora.families import diffusers_image
+    from imglora.families._shared import diffusers_image
 
     monkeypatch.setattr(diffusers_image, "BUILD_ON_DEVICE", {"cuda", "cpu"})
 
@@ -185,7 +185,7 @@ def test_random_weights_modulate_little_as_a_trained_model_does() -> None:
     they came out near 86, from 3072 positive silu means added up); norm scales one, biases zero."""
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
-    from imglora.tiny import random_init
+    from imglora.models.tiny import random_init
 
     width = 3072  # FLUX.1's: the sum over it is what made the modulation large
     g = torch.Generator().manual_seed(0)
@@ -209,7 +209,7 @@ def test_random_weights_are_the_same_in_every_process() -> None:
     """bench-swap builds the full-size model once per setting, each in a process of its own, and
     compares the settings' losses: on the CPU the weights came from the unseeded global generator,
     so two settings trained different models (losses 3.33 and 3.26 from one spec, seen here)."""
-    from imglora.tiny import random_init
+    from imglora.models.tiny import random_init
 
     def build(seed: int = 0) -> nn.Module:
         with torch.device("meta"):

@@ -14,14 +14,15 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from imglora import checkpoint, record
+from imglora.training import checkpoint
+from imglora.runs import record
 from imglora.commands.common import load_config
 from imglora.commands.train import train
 from imglora.data import cache
 from imglora.data.batches import Batcher
 from imglora.families import get_family
-from imglora.families.diffusers_image import ADAPTER_FILE
-from imglora.models import resolve_model
+from imglora.families._shared.diffusers_image import ADAPTER_FILE
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_datasets"

@@ -16,12 +16,12 @@ from click.testing import CliRunner
 from PIL import Image
 
 from imglora.commands.common import load_config
-from imglora import record
-from imglora.cli_eval import eval_cmd
+from imglora.runs import record
+from imglora.cli import eval_cmd
 from imglora.data import cache
 from imglora.commands.evaluate import evaluate
 from imglora.families import get_family
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 from imglora.commands.train import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,11 +83,11 @@ def pixels(path: Path) -> np.ndarray:
 
 def base_pipeline_images(family_name: str, prompts: list[str], seed: int, **kwargs) -> list[np.ndarray]:
     """The base model through its own diffusers pipeline, no adapter anywhere; its weights moved to
-    aligned memory as imglora's loaders hold them (``imglora.owned``: diffusers leaves them in the
+    aligned memory as imglora's loaders hold them (``imglora.util.owned``: diffusers leaves them in the
     memory-mapped files, where some CPUs' kernels round the last bits otherwise)."""
     import diffusers
 
-    from imglora.owned import own_module
+    from imglora.util.owned import own_module
 
     family = get_family(family_name)
     pipe = getattr(diffusers, family.pipeline).from_pretrained(resolve_model(f"tiny:{family_name}", get_family(family_name)).root)
@@ -168,7 +168,8 @@ def test_all_checkpoints_plots_loss_against_step_and_names_the_best(sdxl_run) ->
 
 @pytest.mark.slow  # (the default run stays under 6 minutes; CI runs it)
 def test_checkpoints_pruned_during_an_all_checkpoints_eval_are_skipped(sdxl_run, tmp_path, monkeypatch) -> None:
-    from imglora import checkpoint, sheets
+    from imglora.training import checkpoint
+    from imglora.runs import sheets
 
     cfg, _ = sdxl_run
     run = tmp_path / "runs" / cfg.run_dir.name

@@ -12,13 +12,13 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from imglora import checkpoint, resume
+from imglora.training import checkpoint, resume
 from imglora.cli import main
 from imglora.commands.common import load_config
 from imglora.commands.train import train
 from imglora.errors import ImgloraError
 from imglora.families import registry, sdxl
-from imglora.families.diffusers_image import ADAPTER_FILE
+from imglora.families._shared.diffusers_image import ADAPTER_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"

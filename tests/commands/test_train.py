@@ -12,14 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imglora.families.diffusers_image import ADAPTER_FILE
+from imglora.families._shared.diffusers_image import ADAPTER_FILE
 from imglora.commands.common import load_config
-from imglora import checkpoint, lora, record
+from imglora.training import checkpoint
+from imglora.adapters import inject as lora
+from imglora.runs import record
 from imglora.families import get_family
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 from imglora.commands.train import train
-from imglora.loop import make_scheduler
-from imglora.training import NonFiniteLoss
+from imglora.training.step import make_scheduler
+from imglora.training.trainer import NonFiniteLoss
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"
@@ -201,7 +203,7 @@ def test_an_update_with_a_nan_gradient_is_skipped_named_and_the_run_goes_on(smal
 def test_the_skipped_update_leaves_weights_optimizer_and_schedule_as_they_were(small, monkeypatch) -> None:
     """Update 3's gradient is NaN: after it the adapter, the optimizer's state and the learning rate are
     exactly as update 2 left them (copies of the same memory, nothing computed: bit-equal)."""
-    from imglora import training
+    from imglora.training import trainer as training
 
     _nan_gradient_at({3}, monkeypatch)
     seen: dict[int, dict] = {}
@@ -335,7 +337,7 @@ def test_complete_cache_means_no_encoder_is_loaded(small, monkeypatch) -> None:
 
 def test_optimizers_and_epochs(small) -> None:
     from imglora.errors import ImgloraError
-    from imglora.loop import make_optimizer, total_updates
+    from imglora.training.step import make_optimizer, total_updates
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = make_optimizer(load_cfg(small, "train.optimizer=\"adafactor\""), [p])
@@ -428,10 +430,10 @@ def test_sigterm_checkpoints_exits_143_and_prints_the_exact_resume_command(small
 
 
 def test_a_second_trainer_into_the_same_run_refuses_at_once(small, tmp_path: Path) -> None:
-    from imglora.runlock import RunInUse
+    from imglora.training.runlock import RunInUse
 
     cfg = load_cfg(small)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom imglora import runlock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom imglora.training import runlock\n"
                                "with runlock.hold(sys.argv[1], 'imglora train first'):\n"
                                "    print('held', flush=True); time.sleep(120)", str(cfg.run_dir)],
                               stdout=subprocess.PIPE, text=True)
@@ -458,7 +460,7 @@ def test_stale_temporaries_of_a_killed_run_are_cleaned_on_start(small) -> None:
 
 
 def test_unwritable_places_are_named_before_any_model_loads(small, tmp_path: Path, monkeypatch) -> None:
-    from imglora.atomic import WriteError
+    from imglora.util.atomic import WriteError
     from imglora.families import sdxl
 
     def never(*a, **k):
@@ -477,7 +479,7 @@ def test_unwritable_places_are_named_before_any_model_loads(small, tmp_path: Pat
 def test_disk_full_while_checkpointing_names_the_path_and_keeps_the_last_checkpoint(small, monkeypatch) -> None:
     from safetensors import SafetensorError
 
-    from imglora.atomic import WriteError
+    from imglora.util.atomic import WriteError
 
     real = checkpoint.save_file
     calls = {"n": 0}
@@ -516,7 +518,7 @@ def test_too_many_swapped_blocks_refused_before_loading(small, monkeypatch) -> N
 
 
 def test_divergence_rule_ignores_spikes_and_noise_and_names_a_runaway_loss() -> None:
-    from imglora.runlog import DivergenceWatch
+    from imglora.runs.log import DivergenceWatch
 
     healthy = DivergenceWatch()  # a diffusion loss varies 100x between single updates; its median does not
     noisy = [0.9, 0.004, 0.6, 0.02, 1.1, 0.3, 0.008, 0.7, 0.5, 40.0, 0.4, 0.05, 0.9, 0.3]  # one 40.0 spike
@@ -547,7 +549,7 @@ def test_a_diverging_run_is_warned_about_in_the_log_the_output_and_the_record(sm
 
 
 def test_a_second_ctrl_c_during_an_update_stops_at_once_naming_the_last_checkpoint(small, monkeypatch) -> None:
-    from imglora import loop, training
+    from imglora.training import step as loop, trainer as training
 
     cfg = load_cfg(small)
     real_step, calls = loop.step, []
@@ -603,8 +605,8 @@ def test_ctrl_c_pressed_three_times_at_once_still_saves_and_exits_130(small, tmp
 def test_a_run_folder_deleted_mid_run_stops_the_run_and_is_not_recreated(small, monkeypatch) -> None:
     import shutil
 
-    from imglora import loop
-    from imglora.runlock import RunFolderGone
+    from imglora.training import step as loop
+    from imglora.training.runlock import RunFolderGone
 
     cfg = load_cfg(small)
     real_step, calls = loop.step, []

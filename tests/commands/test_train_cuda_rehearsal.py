@@ -28,7 +28,7 @@ from cuda_standin import AsyncCuda
 
 from imglora.cli import main
 from imglora.memory import offload
-from imglora.owned import load_file
+from imglora.util.owned import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from PIL import Image
 
 from imglora.commands.common import load_config
-from imglora import record
+from imglora.runs import record
 from imglora.cli import main
 from imglora.data import cache
 from imglora.families import get_family
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"

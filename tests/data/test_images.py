@@ -10,7 +10,7 @@ import pytest
 from PIL import ExifTags, Image
 
 from imglora.data.images import BadImageError, image_size, open_image
-from imglora.hashing import sha256_file as file_sha256
+from imglora.util.hashing import sha256_file as file_sha256
 from imglora.errors import ImgloraError
 
 RED, BLUE, WHITE = (255, 0, 0), (0, 0, 255), (255, 255, 255)

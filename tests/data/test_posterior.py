@@ -16,7 +16,7 @@ from imglora.data.batches import Batcher
 from imglora.data.buckets import fit_to_bucket
 from imglora.data.images import open_image
 from imglora.families import registry
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

@@ -111,7 +111,7 @@ def test_keys_document_every_set_option() -> None:
 
 
 def test_resume_compares_sets_item_by_item_and_their_folders_may_move() -> None:
-    from imglora import checkpoint
+    from imglora.training import checkpoint
     from imglora.families import registry
 
     cfg = load_config(PRESET)

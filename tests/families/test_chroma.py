@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from imglora import lora
+from imglora.adapters import inject as lora
 from imglora.commands.common import load_config
 from imglora.data import cache
 from imglora.families import registry
-from imglora.families.flux import model as flux_model
-from imglora.models import resolve_model
+from imglora.families._shared import flow_matching
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-chroma.toml"
@@ -57,7 +57,7 @@ def test_text_is_chroma_pipelines_and_the_loss_its_transformers(prepared, monkey
     caption = (Path(cfg.data.dir) / "03_table.txt").read_text().strip()
     pipe = ChromaPipeline.from_pretrained(src.root)
     for m in (pipe.text_encoder, pipe.vae):
-        from imglora.owned import own_module
+        from imglora.util.owned import own_module
 
         own_module(m)
     embeds, _, mask, *_ = pipe.encode_prompt(caption, do_classifier_free_guidance=False, max_sequence_length=32,
@@ -83,7 +83,7 @@ def test_text_is_chroma_pipelines_and_the_loss_its_transformers(prepared, monkey
                                timestep=sigma, img_ids=image_ids, txt_ids=torch.zeros(32, 3),
                                attention_mask=attention, return_dict=False)[0]
         reference = torch.nn.functional.mse_loss(pred, noise - x0)
-        monkeypatch.setattr(flux_model, "draws", lambda generator: Fixed(noise, sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda generator: Fixed(noise, sigma))
         ours = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     assert torch.equal(ours, reference)
     # The mask matters: the same step with every padding token attending gives another loss.
@@ -142,7 +142,7 @@ def test_the_fp8_base_is_read_block_by_block_and_kept_for_the_next_run(prepared)
 
 
 def test_the_comfyui_workflow_loads_t5_as_chroma_and_samples_with_real_cfg() -> None:
-    from imglora import comfyui
+    from imglora.export import workflows as comfyui
 
     api = comfyui.to_api(registry.get("chroma").comfyui_nodes("c.safetensors", "a toy", "", 7, "x", False))
     by_type = {n["class_type"]: n["inputs"] for n in api.values()}
@@ -162,7 +162,7 @@ def test_the_approximators_table_is_made_again_for_a_model_built_on_meta() -> No
     from diffusers import ChromaTransformer2DModel
 
     from imglora.families.chroma.model import _meta, with_mod_proj
-    from imglora.tiny import random_init
+    from imglora.models.tiny import random_init
 
     root = resolve_model("tiny:chroma", registry.get("chroma")).root
     loaded = ChromaTransformer2DModel.from_pretrained(root, subfolder="transformer")

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from imglora.commands.common import load_config
-from imglora import lora
+from imglora.adapters import inject as lora
 from imglora.data import cache
 from imglora.families import get_family
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 from imglora.commands.train import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def test_flux_fp8_trains_and_stays_close(small) -> None:
     lines: list[str] = []
     train(cfg, out=lines.append)
     assert any(line.startswith("fp8:") and "Linear layers quantized" in line for line in lines)
-    from imglora.record import read_records
+    from imglora.runs.record import read_records
 
     facts = read_records(cfg.run_dir, "train")[-1]["memory"]["fp8"]
     assert facts["bytes_after"] < facts["bytes_before"]

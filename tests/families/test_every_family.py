@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from imglora import config, lora, loop
+from imglora import config
+from imglora.adapters import inject as lora
+from imglora.training import step as loop
 from imglora.commands.common import load_config
 from imglora.data.samples import PreparedData
 from imglora.family import (Benchable, CacheEncoder, EditPairs, Exportable, Family, Mergeable, Sampler,
                             Swappable, supports)
 from imglora.families import registry
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 # Families whose own test files check them in the default run keep this contract for CI (--slow): the

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from imglora import comfyui
+from imglora.export import workflows as comfyui
 from imglora.commands.common import load_config
 from imglora.commands.evaluate import evaluate
 from imglora.commands.train import train
@@ -22,8 +22,8 @@ from imglora.data.buckets import fit_to_bucket
 from imglora.data.images import open_image
 from imglora.errors import ImgloraError
 from imglora.families import registry
-from imglora.families.flux import model as flux_model
-from imglora.models import resolve_model
+from imglora.families._shared import flow_matching
+from imglora.models.resolve import resolve_model
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def preset(root: Path, data: Path, sources: Path, *extra: str):
 
 
 class Fixed:
-    """``imglora.rng.draws`` standing in: the given noise and noise level, so the reference below
+    """``imglora.util.rng.draws`` standing in: the given noise and noise level, so the reference below
     sees the very tensors the loss drew."""
 
     def __init__(self, noise: torch.Tensor, sigma: torch.Tensor):
@@ -68,7 +68,7 @@ class Fixed:
 def test_the_loss_is_flux_kontext_pipelines_input_and_target(tmp_path: Path, monkeypatch) -> None:
     from diffusers import FluxKontextPipeline
 
-    from imglora.owned import own_module
+    from imglora.util.owned import own_module
 
     data, sources = pairs(tmp_path, stems=("03_table",))  # a landscape image: a non-square bucket
     cfg = preset(tmp_path, data, sources, 'flux_kontext.timestep_sampling="uniform"', "memory.fp8=false",
@@ -110,7 +110,7 @@ def test_the_loss_is_flux_kontext_pipelines_input_and_target(tmp_path: Path, mon
             encoder_hidden_states=entry["prompt_embeds"][None], txt_ids=torch.zeros(32, 3),
             img_ids=torch.cat([latent_ids, image_ids]), return_dict=False)[0][:, :x0.shape[1]]
         reference = torch.nn.functional.mse_loss(pred, noise - x0)
-        monkeypatch.setattr(flux_model, "draws", lambda generator: Fixed(noise, sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda generator: Fixed(noise, sigma))
         ours = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     assert torch.equal(pipe._pack_latents(entry["control_latents"], 1, 16, h // 8, w // 8), image_latents)
     assert torch.equal(ours, reference)  # the same transformer on the same tensors, built the same way
@@ -160,7 +160,7 @@ def test_a_held_out_image_never_takes_a_training_images_source(tmp_path: Path) -
 
 
 def test_a_second_evaluation_of_a_step_replaces_the_first(tmp_path: Path) -> None:
-    from imglora import sheets
+    from imglora.runs import sheets
 
     grid = [[Image.new("RGB", (32, 32), c) for c in ("red", "blue")]]
     source = [Image.new("RGB", (32, 32), "grey")]
@@ -201,7 +201,7 @@ def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(kontext_run, tmp_pat
 def test_eval_samples_from_each_prompts_source_and_strength_0_is_the_base_pipeline(kontext_run) -> None:
     import diffusers
 
-    from imglora.owned import own_module
+    from imglora.util.owned import own_module
 
     cfg, _ = kontext_run
     plain = ['eval.fp8="off"', "eval.blocks_to_swap=0"]
@@ -232,7 +232,7 @@ def test_eval_samples_from_each_prompts_source_and_strength_0_is_the_base_pipeli
 def test_eval_prompts_need_their_source_images(kontext_run) -> None:
     cfg, _ = kontext_run
     family = registry.get("flux_kontext")
-    from imglora.families.diffusers_image import source_images
+    from imglora.families._shared.diffusers_image import source_images
 
     with pytest.raises(ImgloraError, match=r"1 evaluation prompt\(s\) are no training image's caption.*"
                                            r"'a red ball'.*eval.control_images"):
@@ -247,7 +247,7 @@ def test_eval_prompts_need_their_source_images(kontext_run) -> None:
 def test_the_export_is_fluxs_and_the_workflow_references_the_source(kontext_run, tmp_path: Path) -> None:
     from imglora.commands.export import export as export_run
 
-    cfg, result = kontext_run  # (tests/test_export.py maps a Kontext export through ComfyUI's loader)
+    cfg, result = kontext_run  # (tests/export/test_writer.py maps a Kontext export through ComfyUI's loader)
     exported = export_run(cfg.run_dir, out=tmp_path / "k.safetensors", dtype="fp32")
     tensors = load_file(str(exported.path))
     trained = load_file(str(result.adapter))

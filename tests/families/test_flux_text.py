@@ -15,7 +15,7 @@ from imglora.data import cache
 from imglora.family import text_length
 from imglora.families import registry
 from imglora.families.flux import model as flux_model
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_schnell_reads_256_t5_tokens_unless_the_preset_says(small_run, tmp_path:
     shutil.copytree(tiny.root, schnell, ignore=shutil.ignore_patterns("*.safetensors"))
     c = json.loads((schnell / "transformer" / "config.json").read_text())
     (schnell / "transformer" / "config.json").write_text(json.dumps({**c, "guidance_embeds": False}))
-    from imglora.source import ModelSource
+    from imglora.models.source import ModelSource
 
     cfg = config(small_run, "cache.text_max_length=0")
     assert text_length(family, cfg, ModelSource(schnell, {})) == 256

@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from imglora.commands.common import load_config
-from imglora import lora
+from imglora.adapters import inject as lora
 from imglora.families.llm.chat import IGNORE, encode, length_report, percentile, read_jsonl
 from imglora.errors import ConfigError, DataError, ImgloraError
 from imglora.families import get_family
 from imglora.families.llm import ADAPTER_FILE, LlmTrainable
-from imglora.models import ModelSource, resolve_model
+from imglora.models.resolve import ModelSource, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-llm.toml"
@@ -265,7 +265,7 @@ def run(tmp_path_factory):
 
 
 def test_training_logs_validation_and_records_qint4(run) -> None:
-    from imglora.record import read_records
+    from imglora.runs.record import read_records
 
     cfg, _, lines = run
     rows = [json.loads(x) for x in (cfg.run_dir / "log.jsonl").read_text().splitlines()]
@@ -287,7 +287,7 @@ def test_auto_is_nf4_on_cuda_with_bitsandbytes_else_qint4(monkeypatch) -> None:
     """QLoRA's recipe (bitsandbytes NF4, double quantization) where it runs; qint4 elsewhere."""
     import importlib.util
 
-    from imglora import devices
+    from imglora.util import devices
     from imglora.memory.quant4 import resolve
 
     assert resolve("nf4", "cpu") == ("nf4", "as set") and resolve("qint4", "cuda") == ("qint4", "as set")
@@ -356,7 +356,7 @@ def test_merge_cli(run, tmp_path: Path) -> None:
     import click
     from click.testing import CliRunner
 
-    from imglora.cli_merge import merge_cmd
+    from imglora.cli import merge_cmd
 
     cfg, _, _ = run
     group = click.Group(commands={"merge": merge_cmd})
@@ -418,7 +418,7 @@ def test_export_of_an_llm_run_says_what_to_use_instead(run) -> None:
 
 def test_a_resume_on_a_machine_where_auto_picks_another_base_is_refused(run, monkeypatch) -> None:
     """A run trained with memory.quantization = "auto" on one 4-bit kind does not continue on another."""
-    from imglora import checkpoint
+    from imglora.training import checkpoint
     from imglora.commands.train import train
     from imglora.memory import quant4
 

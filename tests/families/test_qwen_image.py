@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from imglora import lora
+from imglora.adapters import inject as lora
 from imglora.commands.common import load_config
 from imglora.data import cache
 from imglora.errors import ImgloraError
 from imglora.families import registry
-from imglora.families.flux import model as flux_model
+from imglora.families._shared import flow_matching
 from imglora.families.qwen_image import model as qwen_model
-from imglora.models import resolve_model
-from imglora.owned import own_module
+from imglora.models.resolve import resolve_model
+from imglora.util.owned import own_module
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_the_loss_is_the_transformers_prediction_as_the_pipeline_calls_it(prepar
                                encoder_hidden_states_mask=None, encoder_hidden_states=text,
                                img_shapes=[[(1, h // 2, w // 2)]], return_dict=False)[0]
         reference = torch.nn.functional.mse_loss(pred, noise - x0)
-        monkeypatch.setattr(flux_model, "draws", lambda generator: Fixed(noise, sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda generator: Fixed(noise, sigma))
         ours = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     # sigma is computed in float64 here and in Python floats there (then float32): a last-bit
     # difference in sigma moves the loss by at most a few float32 ulps.
@@ -155,7 +155,7 @@ def test_captions_of_other_lengths_are_padded_and_masked(prepared) -> None:
     # the same math in batches of other shapes (float32 rounding: 1e-5).
     trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
     _, _, h, w = batch["latents"].shape
-    packed = flux_model.pack_latents(batch["latents"])
+    packed = flow_matching.pack_latents(batch["latents"])
 
     def predict(rows: slice, embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         m = len(range(2)[rows])
@@ -196,7 +196,7 @@ def test_blocks_to_swap_counts_blocks_and_says_the_largest(prepared) -> None:
 
 
 def test_the_comfyui_workflow_loads_the_split_files_and_samples_with_real_cfg() -> None:
-    from imglora.comfyui import to_api
+    from imglora.export.workflows import to_api
 
     family = registry.get("qwen_image")
     api = to_api(family.comfyui_nodes("mine.safetensors", "a photo of sks toy", "", 7, "imglora/mine", False))

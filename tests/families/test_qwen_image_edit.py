@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from imglora.commands.common import load_config
-from imglora.comfyui import to_api
+from imglora.export.workflows import to_api
 from imglora.data import cache
 from imglora.data.buckets import fit_to_bucket
 from imglora.data.images import open_image
 from imglora.errors import ImgloraError
 from imglora.families import registry
-from imglora.families.flux import model as flux_model
+from imglora.families._shared import flow_matching
 from imglora.families.qwen_image_edit import model as edit_model
-from imglora.models import resolve_model
-from imglora.owned import own_module
+from imglora.models.resolve import resolve_model
+from imglora.util.owned import own_module
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,7 +184,7 @@ def test_the_loss_is_the_transformers_prediction_as_the_edit_pipeline_calls_it(p
             def randn(self, shape, device=None, dtype=None):
                 return noise.reshape(shape) if len(shape) > 1 else torch.logit(sigma)
 
-        monkeypatch.setattr(flux_model, "draws", lambda generator: Fixed())
+        monkeypatch.setattr(flow_matching, "draws", lambda generator: Fixed())
         ours = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     # sigma in float64 here and in Python floats there: a few float32 ulps.
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)

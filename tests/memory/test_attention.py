@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from imglora import loop
+from imglora.training import step as loop
 from imglora.commands.common import family_of, load_config
 from imglora.errors import ImgloraError
 from imglora.memory import attention
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 MATH = "aten::_scaled_dot_product_attention_math"

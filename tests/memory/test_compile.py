@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imglora import loop
+from imglora.training import step as loop
 from imglora.commands.common import family_of, load_config
 from imglora.commands.train import train
 from imglora.errors import ConfigError, ImgloraError
 from imglora.memory import compile as compiled
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from imglora import plan, plan_time
+from imglora.plan import predict as plan, timing as plan_time
 from imglora.commands.common import family_of, load_config
 from imglora.memory import norms
-from imglora.memory.meta_run import Autocast
-from imglora.models import resolve_model
+from imglora.plan.meta_run import Autocast
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from imglora.memory.meta_run import Autocast, flash_attention
-from imglora.memory.op_count import ATTENTION, BACKWARD, BASE, FORWARD, MATMUL, OpCounter
+from imglora.plan.meta_run import Autocast, flash_attention
+from imglora.plan.op_count import ATTENTION, BACKWARD, BASE, FORWARD, MATMUL, OpCounter
 
 META = torch.device("meta")
 
@@ -92,7 +92,7 @@ def test_offloading_binds_torchs_own_checkpoint_even_when_first_imported_inside_
     import sys
 
     code = ("import torch.utils.checkpoint as c; real = c.checkpoint\n"
-            "from imglora.memory import meta_run\n"
+            "from imglora.plan import meta_run\n"
             "with meta_run.Autocast(None):\n"
             "    from imglora.memory import offload\n"
             "assert offload.checkpoint is real and c.checkpoint is real, offload.checkpoint\n")

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from imglora import lora
+from imglora.adapters import inject as lora
 from imglora.commands.common import load_config
 from imglora.errors import ImgloraError
 from imglora.families import registry
 from imglora.memory.wrap import apply_memory, check_swap_counts
-from imglora.models import resolve_model
+from imglora.models.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,9 +26,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from comfy_tree import fake_comfyui  # noqa: E402
 
-from imglora import runlock  # noqa: E402
+from imglora.training import runlock  # noqa: E402
 from imglora.errors import ImgloraError  # noqa: E402
-from imglora.ui import runs as rv  # noqa: E402
+from imglora.ui import run_folders as rv  # noqa: E402
 from imglora.ui.server import create_app, serve, ui_url  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -533,7 +533,7 @@ def _fake_train(tmp_path: Path, run: Path) -> subprocess.Popen:
     """A process whose command line is `imglora train ...` (a script named imglora) holding ``run``'s lock."""
     script = tmp_path / "bin" / "imglora"
     script.parent.mkdir(exist_ok=True)
-    script.write_text("import sys, time\nfrom imglora import runlock\n"
+    script.write_text("import sys, time\nfrom imglora.training import runlock\n"
                       "with runlock.hold(sys.argv[3], 'imglora train ' + sys.argv[2]):\n"
                       "    print('held', flush=True)\n    time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, str(script), "train", "x.toml", str(run)], stdout=subprocess.PIPE, text=True)

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import atomic
+from ..util import atomic
 from ..errors import ImgloraError
-from .bench_trace import TRACE, error_lines, last_trace, trace  # noqa: F401 (re-exported)
-from .bench_agreement import (COMPILED, FP8_COMPUTE_RTOL, FP8_SETTINGS, LOSS_RTOL,  # noqa: F401 (re-exported)
+from ..runs.bench_trace import TRACE, error_lines, last_trace, trace  # noqa: F401 (re-exported)
+from ..plan.agreement import (COMPILED, FP8_COMPUTE_RTOL, FP8_SETTINGS, LOSS_RTOL,  # noqa: F401 (re-exported)
                               loss_agreement)
 
 if TYPE_CHECKING:
-    from ..source import ModelSource
+    from ..models.source import ModelSource
 
 
 class OptionError(ImgloraError):
@@ -148,7 +148,7 @@ def check_counts(cfg: Any, settings: list[Setting], arch: str) -> None:
     """Refuse, before any process starts, swap counts the model cannot have (each would only fail
     in its worker), naming them and the largest count that works."""
     from ..family import Swappable, supports
-    from ..plan_budget import valid_swap
+    from ..plan.budget import valid_swap
     from .common import family_of
 
     family = family_of(cfg)
@@ -178,7 +178,7 @@ def _block_lengths(cfg: Any, family: Any, arch: str) -> tuple[list[int] | None, 
 
         model = family.meta_trainable(None, cfg, torch.bfloat16).model
         return [len(model.get_submodule(n)) for n in family.swappable_blocks], f"the full-size {family.name} model"
-    from ..models import resolve_model
+    from ..models.resolve import resolve_model
 
     return family.block_counts(resolve_model(cfg.model, family)), cfg.model.path
 
@@ -192,7 +192,7 @@ def _run_worker(spec: dict[str, Any], folder: Path, timeout: float) -> dict[str,
     try:
         args = [str(spec_path), str(result_path)]
         if spec.get("processes", 1) > 1:  # data parallel: every process times the same updates
-            from .. import distributed
+            from ..util import distributed
 
             cmd = distributed.launch_command(spec["processes"], args, "imglora.commands.bench")
         else:
@@ -321,9 +321,11 @@ def _one_line(r: dict[str, Any]) -> str:
 def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from .. import devices, loop, record, telemetry
+    from ..util import devices
+    from ..training import step as loop
+    from ..runs import record, telemetry
     from ..memory.fp8 import weight_bytes
-    from ..models import resolve_model
+    from ..models.resolve import resolve_model
     from .common import family_of, load_config
 
     device = devices.default_device()
@@ -483,7 +485,7 @@ def _batches(samples: list[Any], cfg: Any, family: Any, device: Any) -> list[dic
 
 
 def main() -> None:
-    from .. import distributed
+    from ..util import distributed
 
     spec_path, result_path = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .. import devices, record
-from ..atomic import check_writable
+from ..util import devices
+from ..runs import record
+from ..util.atomic import check_writable
 from ..config import Config
 from ..data import cache
 from ..data.scan import data_version, scan, split_holdout
 from ..errors import ImgloraError
 from ..family import CacheEncoder, supports
-from ..models import resolve_model
+from ..models.resolve import resolve_model
 from .common import family_of
 
 

@@ -8,8 +8,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .. import config, record
-from ..checkpoint import list_checkpoints
+from .. import config
+from ..runs import record
+from ..training.checkpoint import list_checkpoints
 from ..errors import ImgloraError
 from ..families import registry
 

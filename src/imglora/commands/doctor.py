@@ -169,9 +169,9 @@ def _bandwidth(r: Report, seconds: float = 1.0) -> None:
 def _preset(r: Report, preset: str, overrides: tuple[str, ...], gpus: list[dict[str, Any]]) -> None:
     import psutil
 
-    from .. import plan
+    from ..plan import predict as plan
     from ..errors import ImgloraError
-    from ..models import resolve_model
+    from ..models.resolve import resolve_model
     from .common import family_of, load_config
 
     cfg = load_config(preset, overrides)

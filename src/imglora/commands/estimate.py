@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import click
 
-from .. import economics as ec
+from ..runs import cost as ec
 from ..errors import ImgloraError
 
 

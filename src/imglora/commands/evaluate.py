@@ -35,13 +35,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import atomic, devices, lora, loop, record, sheets, telemetry, trackers
-from ..checkpoint import EMA_DIR, list_checkpoints
+from ..util import atomic, devices
+from ..adapters import inject as lora
+from ..training import step as loop
+from ..runs import record, sheets, telemetry, trackers
+from ..training.checkpoint import EMA_DIR, list_checkpoints
 from ..errors import ImgloraError
 from ..family import Sampler, Swappable, supports, text_length
 from ..memory.wrap import check_swap_counts
-from ..models import resolve_model
-from ..progress import Progress
+from ..models.resolve import resolve_model
+from ..runs.progress import Progress
 from .common import family_of, saved_config
 
 if TYPE_CHECKING:

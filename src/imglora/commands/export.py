@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import config, export as exporting
+from .. import config
+from ..export import writer as exporting
 from ..errors import ImgloraError
 from ..family import Exportable, Mergeable, supports
 from ..families import registry

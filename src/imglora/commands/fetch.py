@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import fetch as hubfetch
+from ..models import fetch as hubfetch
 from ..errors import ModelSourceError
-from ..models import WEIGHT_FILE_SUFFIXES, looks_like_hub_id
+from ..models.resolve import WEIGHT_FILE_SUFFIXES, looks_like_hub_id
 from .common import family_of, load_config
+from ..family import option
 
 FILE_SETTINGS = ("path", "vae", "text_encoder", "text_encoder_2")
 
@@ -30,7 +31,7 @@ def fetch(preset: str, overrides: tuple[str, ...], *, dry_run: bool = False, hub
         return []
     single = local.is_file() or local.suffix.lower() in WEIGHT_FILE_SUFFIXES
     if single:
-        downloads = _single_files(hub, cfg, getattr(family, "published_files", {}))
+        downloads = _single_files(hub, cfg, option(family, "published_files"))
     elif looks_like_hub_id(path):
         downloads = [hubfetch.plan_repo(hub, path, family)]
     else:

@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import atomic, plan, plan_budget
+from ..util import atomic
+from ..plan import predict as plan, budget as plan_budget
 from ..errors import ImgloraError
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..source import ModelSource
+    from ..models.source import ModelSource
 
 SWEEP = (0, 9, 18, 27)  # kohya-style swap counts tried by default (as bench-swap's default sweep)
 
@@ -19,7 +20,7 @@ SWEEP = (0, 9, 18, 27)  # kohya-style swap counts tried by default (as bench-swa
 def source_or_shipped(cfg: "Config", family: Any) -> tuple["ModelSource | None", str | None]:
     """The model's source if it is on this machine; otherwise None and a note (the plan then uses the
     real model's config that imglora ships)."""
-    from ..models import resolve_model
+    from ..models.resolve import resolve_model
 
     try:
         return resolve_model(cfg.model, family), None
@@ -69,7 +70,7 @@ def run(preset: str, overrides: tuple[str, ...], *, blocks: str | None, resoluti
         out: Callable[[str], None] = print, gpus: int = 1, gpu: str | None = None) -> plan.Plan:
     import psutil
 
-    from .. import plan_time
+    from ..plan import timing as plan_time
 
     from .bench import parse_size
     from .common import family_of, load_config

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Callable
 
 
-from .. import atomic, devices, distributed, runlock
+from ..util import atomic, devices, distributed
+from ..training import runlock
 from ..config import Config
 from ..families import registry
-from ..training import TrainResult, train as train_loop
+from ..training.trainer import TrainResult, train as train_loop
 
 
 def train(cfg: Config, *, resume: bool = False, command: str = "", out: Callable[[str], None] = print) -> TrainResult:

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import economics
+from . import offer as offers
 from .schema import BudgetConfig, Config, DataConfig, LoraConfig
 
 Where = Callable[[str], str]
@@ -40,7 +40,7 @@ def cross_checks(cfg: Config, where: Where, problems: list[str]) -> None:
                         f"train.max_steps = {t.max_steps}")
     _adapter_checks(cfg, where, problems)
     _preservation_checks(cfg, where, problems)
-    from .. import optimizers
+    from . import optimizer_names as optimizers
 
     optimizers.check(cfg, where, problems)
     if t.ema and optimizers.is_schedule_free(t.optimizer):
@@ -81,7 +81,7 @@ def _offer_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     if not cfg.run.offer:
         return
     try:
-        _, rate, _ = economics.parse_offer(cfg.run.offer)
+        _, rate, _ = offers.parse_offer(cfg.run.offer)
     except ValueError as exc:
         problems.append(f"{where('run.offer')}: {exc}")
         return
@@ -96,14 +96,14 @@ def _budget_checks(cfg: Config, where: Where, problems: list[str]) -> None:
     checked. That is an error (the guard asked for would not act), not a note."""
     t, b = cfg.train, cfg.train.budget
     limits = [k for k in ("max_cost", "max_hours") if getattr(b, k)]
-    at = economics.projection_update(b.smoke_steps, t.log_every)
+    at = offers.projection_update(b.smoke_steps, t.log_every)
     if not limits or not t.max_steps or at < t.max_steps:
         return
-    fits = (t.max_steps - 1) // t.log_every * t.log_every - economics.WARMUP_UPDATES  # largest smoke_steps that fits
+    fits = (t.max_steps - 1) // t.log_every * t.log_every - offers.WARMUP_UPDATES  # largest smoke_steps that fits
     fix = (f"lower train.budget.smoke_steps to at most {fits}" if fits >= 1 else
            "raise train.max_steps or lower train.log_every, or drop the budget for so short a run")
     problems.append(f"{where(f'train.budget.{limits[0]}')}: the budget guard checks it once, when it projects the "
-                    f"session at update {at} ({economics.WARMUP_UPDATES} warm-up + train.budget.smoke_steps = "
+                    f"session at update {at} ({offers.WARMUP_UPDATES} warm-up + train.budget.smoke_steps = "
                     f"{b.smoke_steps} measured updates, at a log: train.log_every = {t.log_every}), but "
                     f"train.max_steps = {t.max_steps} ends the run first, so it would never act; {fix}")
 
@@ -116,10 +116,10 @@ def notes(cfg: Config, where: Where) -> list[str]:
         out.append(f"{where('memory.ema_on_cpu')}: does nothing without train.ema = true (there is no moving "
                    "average to keep in host memory)")
     b = t.budget
-    at = economics.projection_update(b.smoke_steps, t.log_every)
+    at = offers.projection_update(b.smoke_steps, t.log_every)
     if t.max_steps and at >= t.max_steps and b.smoke_steps != BudgetConfig().smoke_steps:  # a limit: an error
         out.append(f"{where('train.budget.smoke_steps')}: {b.smoke_steps} measured updates (after "
-                   f"{economics.WARMUP_UPDATES} warm-up ones) end at update {at}, and train.max_steps = "
+                   f"{offers.WARMUP_UPDATES} warm-up ones) end at update {at}, and train.max_steps = "
                    f"{t.max_steps}: this run is never projected (no session time or cost is printed)")
     for i, s in enumerate(cfg.data.all_sets):
         if s.caption_dropout == 1.0:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..devices import is_cuda
+from ..util.devices import is_cuda
 from .samples import Sample
 
 
@@ -159,7 +159,7 @@ class Batcher:
         """Process ``rank``'s share of micro-batch ``micro_index`` (of ``world`` processes, which
         share each batch, see ``distributed.share``): its rows, their positions in the whole batch,
         and the share of the batch's loss they carry -- samples, or what ``units`` counts (tokens)."""
-        from ..distributed import share
+        from ..util.distributed import share
 
         ref = self.ref(micro_index)
         rows = range(len(ref.indices))[share(len(ref.indices), rank, world)]

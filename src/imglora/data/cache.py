@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import atomic, devices, record
+from ..util import atomic, devices
+from ..runs import record
 from . import text_tokens
 from ..errors import ImgloraError
-from ..family import text_length, text_options
-from ..hashing import sha256_file
-from ..progress import Progress
+from ..family import option, text_length, text_options
+from ..util.hashing import sha256_file
+from ..runs.progress import Progress
 from .dataset import DatasetItem, ScanResult
 from .captions import EMPTY, TextChoice, choice_for, preservation_captions
 from .samples import PreparedData, Sample
@@ -47,7 +48,7 @@ from .cache_warnings import mask_warning, overflow_warning
 from .encode import encode_latent, source_views
 
 if TYPE_CHECKING:
-    from ..source import ModelSource
+    from ..models.source import ModelSource
     import torch
 
     from ..config import Config
@@ -92,7 +93,7 @@ class CachePlan:
     choices: dict[DatasetItem, TextChoice] = field(default_factory=dict)  # what each image's caption trains as
     text_options: dict[str, Any] = field(default_factory=dict)  # family.text_options: keyed, passed to encode_text
     per_image_text: bool = False  # text_reads_sources: texts are keyed by (text, item), not by text
-    # Output preservation (imglora.preservation): each training image's other captions by name, "dop"
+    # Output preservation (imglora.adapters.preservation): each training image's other captions by name, "dop"
     # (the trigger word replaced by train.dop_class) and "blank" (the empty caption).
     preserve: dict[DatasetItem, dict[str, str]] = field(default_factory=dict)
 
@@ -186,7 +187,7 @@ def plan(cfg: "Config", family: "Family", src: "ModelSource", device: "torch.dev
     choices = {item: choice_for(item, sets[item.set_index], held_out=item in held) for item in scanned.items}
     preserve = preservation_captions(cfg, [i for i in scanned.items if i not in held])
     texts: dict[Any, TextSpec] = {}
-    per_image = bool(getattr(family, "text_reads_sources", False))
+    per_image = bool(option(family, "text_reads_sources"))
     for item, choice in (choices.items() if text_tokens.caches_text(cfg, family) else ()):
         for text in dict.fromkeys([*choice.texts(), *preserve.get(item, {}).values()]):
             ref = (text, item) if per_image else text

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from imglora.data.buckets import assign_bucket, make_buckets
 from imglora.data.images import BadImageError, image_size
-from imglora.hashing import sha256_file
+from imglora.util.hashing import sha256_file
 from imglora.errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")

@@ -29,7 +29,7 @@ class Sample:
     regularization: bool = False
     sources: int = 0  # edit pairs: the target's source images (images with other counts never share a batch)
     # Output preservation (train.dop_weight, train.blank_preservation_weight): text entries of the image's
-    # other captions by name ("dop", "blank"), denoised beside its own (imglora.preservation).
+    # other captions by name ("dop", "blank"), denoised beside its own (imglora.adapters.preservation).
     preserve: dict[str, dict[str, "torch.Tensor"]] = field(default_factory=dict)
 
     @property

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import atomic
+from ..util import atomic
 from ..errors import ImgloraError
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class Cache:
     def get(self, kind: str, key: str) -> dict[str, "torch.Tensor"]:
         from safetensors import SafetensorError
 
-        from ..owned import read_file
+        from ..util.owned import read_file
 
         path = self.path(kind, key)
         try:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import Config
-    from ..source import ModelSource
+    from ..models.source import ModelSource
 
 
 def trains_text(cfg: "Config", family: Any) -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .. import lora_blocks
-from ..family import CacheEncoder, EditPairs, Family, Swappable, TextEncoderTraining, supports
+from ..adapters import blocks as lora_blocks
+from ..family import CacheEncoder, EditPairs, Family, Swappable, TextEncoderTraining, option, supports
 from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .flux_kontext import FluxKontextFamily
@@ -86,8 +86,8 @@ class Registry:
         if cfg.lora.type not in family.adapter_types:
             problems.append(f"{where('lora.type')}: the {name} family trains {', '.join(family.adapter_types)} "
                             f"adapters, not {cfg.lora.type}")
-        if cfg.memory.compile != "none" and not getattr(family, "compile_blocks", ()):
-            able = [n for n in FAMILIES if getattr(FAMILIES[n], "compile_blocks", ())]
+        if cfg.memory.compile != "none" and not option(family, "compile_blocks"):
+            able = [n for n in FAMILIES if option(FAMILIES[n], "compile_blocks")]
             problems.append(f"{where('memory.compile')}: compiled blocks are implemented for {_the(able)}; set it "
                             f"to \"none\" for {name}")
         lora_blocks.check(cfg, family, where, problems)

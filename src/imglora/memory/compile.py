@@ -39,10 +39,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..family import option
+
 
 def blocks_to_compile(model: nn.Module, family: Any) -> list[nn.Module]:
     """The modules whose forward is compiled: those of a class named in ``family.compile_blocks``."""
-    kinds = set(getattr(family, "compile_blocks", ()))
+    kinds = set(option(family, "compile_blocks"))
     return [m for m in model.modules() if type(m).__name__ in kinds]
 
 
@@ -119,7 +121,7 @@ def toolchain_problem(device: torch.device) -> str | None:
     import os
     import shutil
 
-    from ..devices import is_cuda
+    from ..util.devices import is_cuda
 
     if is_cuda(device) and device.type == "cuda":
         try:

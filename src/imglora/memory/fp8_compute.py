@@ -40,7 +40,7 @@ E4M3_MAX = 448.0
 
 def supported(device: torch.device) -> tuple[bool, str]:
     """Whether fp8 compute can run on ``device``, and if not why."""
-    from ..devices import is_cuda
+    from ..util.devices import is_cuda
 
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_mm"

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..devices import is_cuda
+from ..util.devices import is_cuda
 from .swap_storage import alloc_host, pinned_bytes, unpin_all
 
 MIN_BYTES = 1 << 20

@@ -42,7 +42,7 @@ def resolve(kind: str, device: torch.device | str) -> tuple[str, str]:
     recipe) on a CUDA GPU with bitsandbytes installed, else qint4; the others are themselves."""
     from importlib.util import find_spec
 
-    from ..devices import is_cuda
+    from ..util.devices import is_cuda
 
     if kind != "auto":
         return kind, "as set"

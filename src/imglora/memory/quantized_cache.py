@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import atomic
+from ..util import atomic
 
 FORMAT = 1
 REST = "rest"
@@ -39,7 +39,7 @@ def key(sources: Mapping[str, str], settings: Mapping[str, Any]) -> str:
     """The entry's name: the source files' checksums, the settings, the format and library versions."""
     from importlib import metadata
 
-    from ..version import __version__
+    from ..util.version import __version__
 
     # imglora's own version too: an entry written by an older loader is never trusted by a newer one.
     blob = {"format": FORMAT, "sources": dict(sources), "settings": dict(settings), "imglora": __version__,
@@ -139,7 +139,7 @@ def load(folder: Path, model: nn.Module, parts: Sequence[tuple[str, nn.Module]],
 def _fill(path: Path, target: nn.Module, skip: tuple[str, ...]) -> None:
     """Load the file into ``target`` through quanto's own deserialization (which rebuilds a quantized
     weight from its ``weight._data``/``weight._scale``); names under ``skip`` are filled later."""
-    from ..owned import load_file, own_module
+    from ..util.owned import load_file, own_module
 
     try:
         state = load_file(path)

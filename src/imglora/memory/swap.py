@@ -74,7 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import is_cuda
+from ..util.devices import is_cuda
 from .fp8 import to_device
 from .swap_storage import (Block, Pool, PoolStats, Slot, SlotAlias, SwapEvent, SwapStats, alias_spec, alloc_host,
                            build_pools, collect_entries, copy_to, graph_task_id, host_memory, iter_tensors,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..devices import is_cuda
+from ..util.devices import is_cuda
 
 MAX_DEPTH = 6  # swapped blocks copied ahead at most (slots per block shape = depth + 1)
 GOOD_ENOUGH = 0.02  # a stall within this share of the forward compute of the best depth's is as good

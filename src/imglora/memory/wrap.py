@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..devices import is_cuda
+from ..util.devices import is_cuda
 from ..family import Swappable, supports
 from .fp8 import to_device
 
 if TYPE_CHECKING:
-    from ..source import ModelSource
+    from ..models.source import ModelSource
     from .swap import BlockSwapper
 
 

@@ -1,7 +1,7 @@
 """The New run page's cost estimate: for each GPU offer entered, the session's hours and cost at the
 speed the plan gives for that card (measured where a bench file measured it, else predicted), or at
 the seconds per update the offer states (measured there). The same session formula as ``imglora
-estimate`` (:mod:`imglora.economics`); before a run there is nothing measured of set-up, caching,
+estimate`` (:mod:`imglora.runs.cost`); before a run there is nothing measured of set-up, caching,
 checkpoint saves or evaluation, so those terms are the user's "idle" minutes and say so."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import economics as ec
-from .. import plan_time
+from ..runs import cost as ec
+from ..plan import timing as plan_time
 from ..errors import ImgloraError
-from ..plan import GiB
+from ..plan.predict import GiB
 
 
 def card_of(offer_name: str, default: str) -> str:

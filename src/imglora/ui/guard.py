@@ -21,7 +21,7 @@ from urllib.parse import urlencode, urlsplit
 from fastapi import Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
-from .runs import inside_root
+from .run_folders import inside_root
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")

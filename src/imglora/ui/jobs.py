@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import runs as rv
+from . import run_folders as rv
 from .guard import Refused
 
 

@@ -41,7 +41,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
 
-from . import runs as rv
+from . import run_folders as rv
 from .guard import (LOCAL_HOSTS, Guard, Refused, check_token, clean_overrides, field, links_out, short,
                     inside, is_inside, read_json, ui_url)
 from .jobs import Launcher, as_sets
@@ -130,7 +130,7 @@ def create_app(root: str | os.PathLike, token: str | None, presets: str | os.Pat
 
     @app.post("/api/runs/{name}/stop")
     def stop(name: str) -> Any:
-        from ..runlock import process_matches
+        from ..training.runlock import process_matches
 
         run = run_dir(name)
         owner = rv.lock_record(run)
@@ -148,7 +148,7 @@ def create_app(root: str | os.PathLike, token: str | None, presets: str | os.Pat
         """409 while ``run`` is running or a start of it is under way (checked under ``launcher.lock``):
         a job started for it that has not yet taken the run's lock (a process that took it and let it
         go is finishing: no longer in the way)."""
-        from ..runlock import LOCK_NAME
+        from ..training.runlock import LOCK_NAME
 
         job = launcher.active_for(run)
         try:
@@ -400,7 +400,7 @@ def create_app(root: str | os.PathLike, token: str | None, presets: str | os.Pat
 
     @app.put("/api/caption")
     async def put_caption(request: Request) -> Any:
-        from .. import atomic
+        from ..util import atomic
 
         body = await read_json(request, limit=MAX_CAPTION + 4096)
         name, caption = field(body, "image", str, ""), field(body, "caption", str, "")

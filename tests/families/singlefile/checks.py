@@ -25,8 +25,8 @@ RTOL = ATOL = 1e-5
 
 def owned(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with its weights in aligned memory, as imglora's loaders hand on a folder's model
-    (``imglora.owned.own_module``): against this, imglora's single-file loaders promise identity."""
-    from imglora.owned import own_module
+    (``imglora.util.owned.own_module``): against this, imglora's single-file loaders promise identity."""
+    from imglora.util.owned import own_module
 
     return own_module(module)
 

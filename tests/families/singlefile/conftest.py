@@ -8,7 +8,7 @@ import pytest
 from layouts import write_bfl_flux, write_clip_l, write_flux_ae, write_sdxl_vae, write_sgm_sdxl, write_t5xxl
 
 from imglora.families import registry
-from imglora.tiny import ensure_tiny
+from imglora.models.tiny import ensure_tiny
 
 
 @pytest.fixture(autouse=True, scope="module")

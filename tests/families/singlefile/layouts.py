@@ -375,7 +375,7 @@ def make_comfyui_tree(root: Path, files: dict[str, Path], *, extra_yaml: dict | 
     import yaml
 
     from imglora.families import registry
-    from imglora.tiny import ensure_tiny
+    from imglora.models.tiny import ensure_tiny
 
     root = Path(root)
     (root / "comfy").mkdir(parents=True, exist_ok=True)

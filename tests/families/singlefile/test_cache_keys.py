@@ -16,8 +16,8 @@ from imglora.cli import main
 from imglora.commands.common import load_config
 from imglora.data import cache
 from imglora.families import registry
-from imglora.models import resolve_model
-from imglora.tiny import ensure_tiny
+from imglora.models.resolve import resolve_model
+from imglora.models.tiny import ensure_tiny
 
 REPO = Path(__file__).resolve().parents[3]
 PRESET = REPO / "presets" / "tiny-flux.toml"
@@ -101,7 +101,7 @@ def test_a_weight_file_in_the_key_is_hashed_once_and_remembered(setup, flux_file
     """Multi-GB single files are read once: the key's content hash is remembered per file."""
     _, load = setup
     _keys(load)
-    from imglora import record
+    from imglora.runs import record
 
     monkeypatch.setattr(record, "sha256_file", lambda p: pytest.fail(f"{p} hashed again"))
     _keys(load)

@@ -8,9 +8,9 @@ from checks import assert_same_weights
 from layouts import make_comfyui_tree
 
 from imglora.errors import ModelSourceError
-from imglora.comfyui import find_model_file, model_folders, tokenizer_dirs
+from imglora.models.comfyui import find_model_file, model_folders, tokenizer_dirs
 from imglora.families.flux.singlefile import load_flux_transformer
-from imglora.families.singlefile.inspect import describe
+from imglora.families._shared.singlefile.inspect import describe
 
 
 @pytest.fixture()
@@ -115,7 +115,7 @@ def test_a_broken_comfyui_folder_is_said_once(comfy, tmp_path, broken, said):
     of the ComfyUI folder itself is the same for each and is said once, not once per kind."""
     from imglora.config import ModelConfig
     from imglora.families import registry
-    from imglora.models import resolve_model
+    from imglora.models.resolve import resolve_model
 
     root = comfy
     if broken == "yaml":

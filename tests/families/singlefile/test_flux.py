@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
 from imglora.families.flux.singlefile import flux_plan, load_flux_transformer
-from imglora.memory.meter import LiveBytes
+from imglora.plan.meter import LiveBytes
 
 FP8 = torch.float8_e4m3fn
 BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from imglora.errors import ModelSourceError
 from imglora.families.flux.singlefile import load_flux_transformer
 from imglora.families.sdxl.singlefile import load_sdxl
-from imglora.families.singlefile.inspect import describe
-from imglora.families.singlefile.text import load_clip_l
-from imglora.families.singlefile.inspect import expect
+from imglora.families._shared.singlefile.inspect import describe
+from imglora.families._shared.singlefile.text import load_clip_l
+from imglora.families._shared.singlefile.inspect import expect
 
 
 @pytest.mark.parametrize("name, kind, prefix, parts, variant, fp8", [

@@ -19,10 +19,10 @@ from imglora.commands.common import load_config
 from imglora.errors import ModelSourceError
 from imglora.families import registry
 from imglora.families.qwen_image import singlefile
-from imglora.families.singlefile.inspect import describe
-from imglora.models import resolve_model
-from imglora.source import ModelSource
-from imglora.tiny import ensure_tiny
+from imglora.families._shared.singlefile.inspect import describe
+from imglora.models.resolve import resolve_model
+from imglora.models.source import ModelSource
+from imglora.models.tiny import ensure_tiny
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -103,7 +103,7 @@ def test_training_from_comfyuis_files_is_training_from_the_folder(tiny: Path, tm
     name in a ComfyUI folder, the shipped Qwen-Image configs with ComfyUI's Qwen2.5 tokenizer."""
     import shutil
 
-    from imglora.families.singlefile import configdir
+    from imglora.families._shared.singlefile import configdir
 
     comfy, names = comfyui_files(tiny, tmp_path, "qwen_image_fp32.safetensors")
 
@@ -138,7 +138,7 @@ def test_an_edit_model_trains_from_comfyuis_files_as_from_its_folder(tmp_path: P
     """qwen_image_edit_2509_*.safetensors with Qwen-Image's text encoder and VAE files: the shipped
     Edit Plus configs (its model_index.json and image processor) with ComfyUI's Qwen2.5 tokenizer; the
     captions, read with their sources, and the losses are the folder's."""
-    from imglora.families.singlefile import configdir
+    from imglora.families._shared.singlefile import configdir
 
     family = registry.get("qwen_image_edit_plus")
     tiny = ensure_tiny(family)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
 from imglora.families.sdxl.singlefile import load_sdxl, prediction_type, zero_terminal_snr
-from imglora.families.singlefile.text import load_clip_l
+from imglora.families._shared.singlefile.text import load_clip_l
 
 
 @pytest.fixture(scope="module")

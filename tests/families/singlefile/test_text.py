@@ -10,7 +10,7 @@ from checks import assert_same_output, assert_same_weights, owned
 from safetensors.torch import load_file, save_file
 
 from imglora.errors import ModelSourceError
-from imglora.families.singlefile.text import load_clip_l, load_flux_vae, load_t5
+from imglora.families._shared.singlefile.text import load_clip_l, load_flux_vae, load_t5
 
 FP8 = torch.float8_e4m3fn
 

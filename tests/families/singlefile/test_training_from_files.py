@@ -13,13 +13,13 @@ from layouts import (make_comfyui_tree, write_bfl_chroma, write_bfl_flux, write_
                      write_t5xxl)
 from safetensors.torch import load_file
 
-from imglora import record
+from imglora.runs import record
 from imglora.commands.common import load_config
 from imglora.commands.train import train
 from imglora.errors import ModelSourceError
 from imglora.families import registry
-from imglora.models import resolve_model
-from imglora.tiny import ensure_tiny
+from imglora.models.resolve import resolve_model
+from imglora.models.tiny import ensure_tiny
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -206,7 +206,7 @@ def test_wrong_files_are_named_before_anything_loads(tmp_path: Path, flux_files)
 
 def test_configs_ship_and_tokenizers_come_from_comfyui_or_a_named_download(tmp_path: Path, flux_files,
                                                                            monkeypatch) -> None:
-    from imglora.families.singlefile import configdir
+    from imglora.families._shared.singlefile import configdir
 
     monkeypatch.setattr(configdir, "hub_snapshot", lambda repo: None)  # an empty Hugging Face cache
     monkeypatch.setenv("IMGLORA_HOME", str(tmp_path / "home"))
@@ -263,7 +263,7 @@ def kontext_preset(tmp_path: Path, *extra: str):
 def test_flux_kontext_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_path: Path, monkeypatch) -> None:
     """flux1-kontext-dev.safetensors (BFL's layout, like FLUX.1-dev's) with clip_l, t5xxl and ae found
     by bare name in a ComfyUI folder; without model.config the shipped Kontext configs are used."""
-    from imglora.families.singlefile import configdir
+    from imglora.families._shared.singlefile import configdir
 
     tiny = ensure_tiny(registry.get("flux_kontext"))
     d = tmp_path / "files"
@@ -304,7 +304,7 @@ def test_chroma_from_comfyuis_files_trains_exactly_as_from_the_folder(tmp_path: 
     by bare name in a ComfyUI folder, the shipped Chroma1-HD configs with ComfyUI's T5 tokenizer."""
     from safetensors.torch import save_file
 
-    from imglora.families.singlefile import configdir
+    from imglora.families._shared.singlefile import configdir
 
     tiny = ensure_tiny(registry.get("chroma"))
     d = tmp_path / "files"

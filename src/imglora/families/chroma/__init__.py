@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...owned import own_module
-from .. import diffusers_image as common
+from ...util.owned import own_module
+from .._shared import diffusers_image as common
 from ..flux import FluxFamily
 from ..flux import keys as flux_keys
 from ..flux import swap
@@ -25,7 +25,7 @@ from . import comfyui, model, singlefile, tiny
 from .config import ChromaConfig
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 
 class ChromaFamily:
@@ -47,7 +47,7 @@ class ChromaFamily:
     adapter_types = ("lora", "dora", "loha", "lokr", "oft")
     swappable_blocks = swap.BLOCK_LISTS
     compile_blocks = ("ChromaTransformerBlock", "ChromaSingleTransformerBlock")
-    streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term
+    streams_blocks = True  # the transformer is read block by block (_shared.stream): plan's host-RAM term
     export_formats = flux_keys.FORMATS
     pipeline = "ChromaPipeline"
     denoiser = "transformer"

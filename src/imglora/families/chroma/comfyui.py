@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comfyui import Node, Sampling, file_name, ksampler, text_node
+from ...export.workflows import Node, Sampling, file_name, ksampler, text_node
 
 UNET = "Chroma1-HD.safetensors"
 T5 = "t5xxl_fp16.safetensors"

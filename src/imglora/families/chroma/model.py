@@ -16,13 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...tiny import random_init
-from ..flux import stream, swap
+from ...models.tiny import random_init
+from .._shared import stream
+from ..flux import swap
+from ..flux.singlefile import BLOCKS
 from . import singlefile
-from ..flux.model import flow_matching_loss, image_ids, noised
+from .._shared.flow_matching import flow_matching_loss, noised
+from ..flux.model import image_ids
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "chroma1-hd"
 TEXT_MAX_LENGTH = 512  # T5 tokens, as ChromaPipeline encodes prompts
@@ -30,12 +33,12 @@ TEXT_MAX_LENGTH = 512  # T5 tokens, as ChromaPipeline encodes prompts
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
                    quantize_exclude: tuple[str, ...]) -> "ChromaTrainable":
-    """Read block by block as FLUX.1's transformer is (``flux.stream``): each block quantized with
+    """Read block by block as FLUX.1's transformer is (``_shared.stream``): each block quantized with
     memory.fp8 and placed as it is read, the quantized model kept in the cache for the next run."""
     swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
                                                  model_class="ChromaTransformer2DModel",
-                                                 file_reader=singlefile.load_chroma_transformer)
+                                                 file_reader=singlefile.load_chroma_transformer, blocks=BLOCKS)
     trainable = _trainable(with_mod_proj(transformer), cfg)
     trainable.facts.update(facts)
     return trainable
@@ -45,7 +48,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
                    blocks_to_swap: int | None = None) -> "ChromaTrainable":
     """The real Chroma1-HD transformer architecture (8.9B) with random weights, for benchmarks (made
     block by block on CUDA, as FLUX.1's: ``diffusers_image.random_on_device``)."""
-    from ..diffusers_image import builds_on_device, random_on_device
+    from .._shared.diffusers_image import builds_on_device, random_on_device
 
     transformer = _meta(CONFIGS, dtype)
     facts: dict[str, Any] = {}
@@ -83,7 +86,7 @@ def with_mod_proj(transformer: Any) -> Any:
 def _meta(root: Path, dtype: torch.dtype) -> Any:
     from diffusers import ChromaTransformer2DModel
 
-    from ...safefiles import diffusers_config
+    from ...models.safefiles import diffusers_config
 
     config = diffusers_config(ChromaTransformer2DModel, root, "transformer")
     with torch.device("meta"):

@@ -20,7 +20,7 @@ import torch
 
 from ...errors import ModelSourceError
 from ..flux.singlefile import Source, flux_plan, load_flux_transformer, plan_weights
-from ..singlefile.inspect import expect
+from .._shared.singlefile.inspect import expect
 
 SHIPPED = Path(__file__).parent / "configs" / "chroma1-hd"
 KIND = "chroma-transformer"
@@ -58,8 +58,8 @@ def resolve_files(model: Any, find: Any) -> Any:
     """The transformer file (``model.path``, in ComfyUI's diffusion_models folder), T5
     (``model.text_encoder``) and the VAE (``model.vae``), with the shipped Chroma1-HD configs (or
     ``model.config``) and T5's tokenizer (the Hugging Face cache, or ComfyUI's)."""
-    from ...source import ModelSource
-    from ..singlefile.configdir import assemble, find_parts, find_tokenizer, override
+    from ...models.source import ModelSource
+    from .._shared.singlefile.configdir import assemble, find_parts, find_tokenizer, override
 
     path = find(model.path, ("diffusion_models", "checkpoints"), "model.path")
     expect(path, KIND)
@@ -78,13 +78,13 @@ def resolve_files(model: Any, find: Any) -> Any:
 
 
 def load_vae(src: Any, dtype: torch.dtype) -> Any:
-    from ..singlefile.text import load_flux_vae
+    from .._shared.singlefile.text import load_flux_vae
 
     return load_flux_vae(src.files["vae"], src.root / "vae", dtype)
 
 
 def load_t5(src: Any, dtype: torch.dtype) -> Any:
-    from ..singlefile.text import load_t5 as read
+    from .._shared.singlefile.text import load_t5 as read
 
     return read(src.files["text_encoder"], src.root / "text_encoder", dtype)
 
@@ -95,7 +95,7 @@ def base_weights(src: Any, component: str, paths: list[str]) -> dict[str, torch.
         raise ModelSourceError(f"no base weights of Chroma's {component} are read for export")
     from diffusers import ChromaTransformer2DModel
 
-    from ...safefiles import diffusers_config
+    from ...models.safefiles import diffusers_config
 
     plan = chroma_plan(diffusers_config(ChromaTransformer2DModel, src.root, "transformer"))
     return plan_weights(src.files["transformer"], KIND, plan, paths)

@@ -1,12 +1,12 @@
 """The tiny Chroma model (``tiny:chroma``): the real layout (T5 only, the approximator in place of
-FLUX's modulation layers), tiny widths, random weights (see ``imglora.tiny``)."""
+FLUX's modulation layers), tiny widths, random weights (see ``imglora.models.tiny``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...tiny import save_model, seeded
-from .. import tiny_parts as tp
+from ...models.tiny import save_model, seeded
+from .._shared import tiny_parts as tp
 from ..flux.tiny import write_vae_and_scheduler
 
 

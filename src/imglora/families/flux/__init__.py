@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...owned import own_module
-from .. import diffusers_image as common
+from ...util.owned import own_module
+from .._shared import diffusers_image as common
 from . import comfyui, keys, model, singlefile, swap, tiny
 from .config import FluxConfig
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 
 class FluxFamily:
@@ -56,7 +56,7 @@ class FluxFamily:
     adapter_types = ("lora", "dora", "loha", "lokr", "oft")  # all on fp8 bases too (DoRA norms the dequantized weight)
     swappable_blocks = swap.BLOCK_LISTS
     compile_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # memory.compile = "blocks"
-    streams_blocks = True  # the transformer is read block by block (stream.py): plan's host-RAM term
+    streams_blocks = True  # the transformer is read block by block (_shared.stream): plan's host-RAM term
     export_formats = keys.FORMATS
     # lora.text_encoder: CLIP-L gets the adapter (its pooled output is then computed per step); T5 stays
     # frozen and its cached output is used as before.
@@ -180,7 +180,7 @@ class FluxFamily:
         from transformers import CLIPTextModel
 
         if src.files:
-            from ..singlefile.text import load_clip_l
+            from .._shared.singlefile.text import load_clip_l
 
             return load_clip_l(src.files["text_encoder"], src.root, dtype).eval()
         return own_module(CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)).eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comfyui import UI_ONLY, Node, Sampling, file_name, ksampler, text_node
+from ...export.workflows import UI_ONLY, Node, Sampling, file_name, ksampler, text_node
 
 # The file names in ComfyUI's official FLUX.1-dev example workflow.
 UNET = "flux1-dev.safetensors"

@@ -3,28 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from ...config import setting
-
-
-@dataclass(frozen=True)
-class FlowMatchingObjective:
-    """The keys of a flow-matching objective on packed latents: how timesteps are drawn and how the
-    loss is weighted over them (FLUX.1's, and the families trained the same way)."""
-
-    timestep_sampling: Literal["sigmoid", "logit_normal", "uniform", "shift"] = setting(
-        "shift", help="How training timesteps are drawn.", moved_from="train.timestep_sampling")
-    sigmoid_scale: float = setting(1.0, help="Scale of the normal draw for sigmoid/shift sampling.", min=0.0,
-                                   max=100.0, min_exclusive=True, moved_from="train.sigmoid_scale")
-    discrete_flow_shift: float = setting(3.1582, help="Shift for timestep_sampling = \"shift\".", min=0.0,
-                                         max=100.0, min_exclusive=True, moved_from="train.discrete_flow_shift")
-    resolution_dependent_shift: bool = setting(False, help="Derive the shift from the image size as FLUX.1-dev "
-                                                           "inference does.",
-                                               moved_from="train.resolution_dependent_shift")
-    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = setting(
-        "none", help="Weighting of the flow-matching loss over noise levels (as SD3 / kohya).",
-        moved_from="train.loss_weighting")
+from .._shared.flow_matching import FlowMatchingObjective
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ...errors import ImgloraError
-from ...adapter_forms import Module, comfy_tensors
-from ...export import LoraModule, add_unique, alpha_tensor, fuse, kohya_name, kohya_tensors
-from ..diffusers_image import clip_path
+from ...adapters.forms import Module, comfy_tensors
+from ...export.writer import LoraModule, add_unique, alpha_tensor, fuse, kohya_name, kohya_tensors
+from .._shared.diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # default: the diffusers form
 # The adapter types each form can hold: kohya fuses q, k and v (and the single blocks' MLP input) into

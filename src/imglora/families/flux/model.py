@@ -3,19 +3,19 @@ position ids, target ``noise - latents``, the guidance embedding, timestep sampl
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ... import weighting
-from ...rng import draws
-from ...tiny import random_init
-from . import singlefile, stream, swap
+from ...models.tiny import random_init
+from .._shared import stream
+from . import singlefile, swap
+from .._shared.flow_matching import (flow_matching_loss, noised, pack_latents,  # noqa: F401 (FLUX's own)
+                                      resolution_shift_mu, sample_sigmas)
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
@@ -23,7 +23,9 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
     # Streamed from a file or a folder alike: each block quantized and placed as it is read.
     swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude)
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+                                                 model_class="FluxTransformer2DModel",
+                                                 file_reader=singlefile.load_flux_transformer, blocks=singlefile.BLOCKS)
     if cfg.memory.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     trainable = (cls or FluxTrainable)(transformer, cfg.family, cfg.train)
@@ -41,7 +43,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     Elsewhere the whole model is made on the host, as before, and quantized and placed later."""
     from diffusers import FluxTransformer2DModel
 
-    from ..diffusers_image import builds_on_device, random_on_device
+    from .._shared.diffusers_image import builds_on_device, random_on_device
 
     with torch.device("meta"):
         transformer = FluxTransformer2DModel(**FULL_TRANSFORMER)
@@ -83,74 +85,12 @@ SCHNELL_TEXT_MAX_LENGTH = 256  # FLUX.1-schnell's (its pipeline's limit; kohya's
 FULL_TRANSFORMER: dict[str, Any] = {"guidance_embeds": True}
 
 
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] → [B, (H/2)(W/2), 4C]: FLUX sees 2×2 latent patches as tokens."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
 def image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
     """Position ids of the packed latent tokens: (0, row, column), as FluxPipeline builds them."""
     ids = torch.zeros(h // 2, w // 2, 3, device=device)
     ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
     ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
     return ids.reshape(-1, 3)
-
-
-def resolution_shift_mu(image_seq_len: int) -> float:
-    """FLUX.1-dev's inference shift: linear in the token count from (256, 0.5) to (4096, 1.15)."""
-    return 0.5 + (1.15 - 0.5) * (image_seq_len - 256) / (4096 - 256)
-
-
-def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, device: torch.device,
-                  shift_mu: Callable[[int], float] = resolution_shift_mu) -> torch.Tensor:
-    """Noise levels σ ∈ (0, 1) for flow matching (kohya sd-scripts' options, same formulas).
-    ``generator``: a ``torch.Generator`` or an ``imglora.rng`` per-sample source; ``shift_mu``: the
-    model's resolution-dependent shift (FLUX.1-dev's by default)."""
-    rng = draws(generator)
-    kind = settings.timestep_sampling
-    if kind == "uniform":
-        return rng.rand((n,), device=device)
-    if kind == "logit_normal":  # SD3's default: sigmoid of a standard normal
-        return torch.sigmoid(rng.randn((n,), device=device))
-    s = torch.sigmoid(settings.sigmoid_scale * rng.randn((n,), device=device))
-    if kind == "sigmoid":
-        return s
-    if settings.resolution_dependent_shift:
-        mu = shift_mu(image_seq_len)
-        return math.exp(mu) / (math.exp(mu) + (1 / s - 1))
-    shift = settings.discrete_flow_shift
-    return s * shift / (1 + (shift - 1) * s)
-
-
-def flow_matching_loss(settings: Any, batch: dict[str, torch.Tensor], pred: torch.Tensor, noise: torch.Tensor,
-                       x0: torch.Tensor, sigma: torch.Tensor, train: Any = None) -> torch.Tensor:
-    """The loss of a prediction of ``noise - x0`` on packed tokens: per element (``train.loss_type``,
-    the loss mask packed as the latents), per item (weighted over noise levels), per batch (loss
-    weights)."""
-    latents = batch["latents"]
-    mask = batch.get("loss_mask")
-    if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
-        mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
-    per_item = weighting.per_item_loss(pred, noise - x0, mask, train, lambda: (sigma, sigma / (1 - sigma)))
-    if settings.loss_weighting == "sigma_sqrt":
-        per_item = per_item * sigma.pow(-2.0)
-    elif settings.loss_weighting == "cosmap":
-        per_item = per_item * 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2))
-    return weighting.batch_loss(per_item, batch)
-
-
-def noised(settings: Any, latents: torch.Tensor, generator: Any,
-           shift_mu: Callable[[int], float] = resolution_shift_mu) -> tuple[torch.Tensor, ...]:
-    """(x0, noise, sigma, noisy): the packed latents, the noise and noise levels drawn (noise first,
-    then σ, from ``generator``), and the point between them that the transformer denoises."""
-    n = latents.shape[0]
-    x0 = pack_latents(latents)
-    noise = draws(generator).randn(x0.shape, device=latents.device, dtype=x0.dtype)
-    sigma = sample_sigmas(n, settings, x0.shape[1], generator, latents.device, shift_mu)
-    s = sigma.view(n, 1, 1)
-    return x0, noise, sigma, (1 - s) * x0 + s * noise
 
 
 class FluxTrainable:
@@ -239,7 +179,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type 
     the meta device, frozen, with the preset's gradient checkpointing: for ``imglora plan``."""
     from diffusers import FluxTransformer2DModel
 
-    from ...safefiles import diffusers_config
+    from ...models.safefiles import diffusers_config
 
     config = diffusers_config(FluxTransformer2DModel, root or singlefile.CONFIGS / "flux1-dev", "transformer")
     with torch.device("meta"):
@@ -249,7 +189,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype, cls: type 
         transformer.enable_gradient_checkpointing()
     trainable = (cls or FluxTrainable)(transformer, cfg.family, cfg.train)
     if cfg.lora.text_encoder:
-        from .. import diffusers_image
+        from .._shared import diffusers_image
         from . import FluxFamily
 
         trainable.text_encoders = diffusers_image.meta_text_encoders(FluxFamily, root, singlefile.CONFIGS / "flux1-dev",

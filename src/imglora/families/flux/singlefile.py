@@ -21,17 +21,17 @@ import torch
 
 from ...errors import ModelSourceError
 from ...memory.host import release_free_memory
-from ...owned import own_module
-from ...safefiles import PathLike, Reader, diffusers_config, open_file
-from ..singlefile.inspect import expect
+from ...util.owned import own_module
+from ...models.safefiles import PathLike, Reader, diffusers_config, open_file
+from .._shared.singlefile.inspect import expect
+from .._shared.stream import OnBlock
 
 # A diffusers key's source: (BFL key without prefix, rows of it or None for all, op). op "copy";
 # or "swap": the two halves exchanged (BFL's final adaLN is [shift; scale], diffusers' [scale; shift]).
 Source = tuple[str, tuple[int, int] | None, Literal["copy", "swap"]]
-OnBlock = Callable[[str, int, torch.nn.Module], None]
 
 MLP_RATIO = 4.0  # FluxTransformer2DModel's blocks (and BFL's) use 4x width, not configurable
-_BLOCKS = {"double": "transformer_blocks", "single": "single_transformer_blocks"}
+BLOCKS = {"double": "transformer_blocks", "single": "single_transformer_blocks"}
 # FluxTransformer2DModel's defaults (its __init__), for configs that leave keys out.
 _DEFAULTS = {"num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
              "guidance_embeds": False}
@@ -126,7 +126,7 @@ def load_flux_transformer(path: PathLike, config: Mapping[str, Any] | PathLike, 
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if set(plan) != set(shapes):  # a diffusers change, not a user error
         raise RuntimeError(f"the key plan does not cover {model_class}: {sorted(set(shapes) ^ set(plan))[:8]}")
-    block_keys = tuple(f"{name}." for name in _BLOCKS.values())
+    block_keys = tuple(f"{name}." for name in BLOCKS.values())
     with open_file(path) as r:
         _check_header(r, layout.prefix, plan, shapes, layout.variant,
                       bool(getattr(model.config, "guidance_embeds", False)))
@@ -136,7 +136,7 @@ def load_flux_transformer(path: PathLike, config: Mapping[str, Any] | PathLike, 
         assert not unexpected and all(k.startswith(block_keys) for k in missing)
         del rest
         own_module(model)
-        for kind, name in _BLOCKS.items():
+        for kind, name in BLOCKS.items():
             for index, block in enumerate(getattr(model, name)):
                 pre = f"{name}.{index}."
                 state = {k[len(pre):]: _read(r, layout.prefix + src, rows, op, dtype, device)
@@ -224,8 +224,8 @@ def resolve_files(model: Any, find: Any, overlay: Path | None = None) -> Any:
     -schnell's configs (as the file says) with CLIP's and T5's tokenizers. ``overlay``: configs of a
     model built on FLUX.1-dev's transformer (FLUX.1 Kontext), named as that folder; its file must be
     a dev (guidance-distilled) one."""
-    from ...source import ModelSource
-    from ..singlefile.configdir import assemble, find_tokenizer, override
+    from ...models.source import ModelSource
+    from .._shared.singlefile.configdir import assemble, find_tokenizer, override
 
     path = find(model.path, ("diffusion_models", "checkpoints"), "model.path")
     layout = expect(path, "flux-transformer")
@@ -258,13 +258,13 @@ def resolve_files(model: Any, find: Any, overlay: Path | None = None) -> Any:
 
 
 def load_vae(src: Any, dtype: torch.dtype) -> Any:
-    from ..singlefile.text import load_flux_vae
+    from .._shared.singlefile.text import load_flux_vae
 
     return load_flux_vae(src.files["vae"], src.root, dtype)
 
 
 def load_text_encoders(src: Any, dtype: torch.dtype) -> tuple[Any, Any]:
-    from ..singlefile.text import load_clip_l, load_t5
+    from .._shared.singlefile.text import load_clip_l, load_t5
 
     return (load_clip_l(src.files["text_encoder"], src.root, dtype),
             load_t5(src.files["text_encoder_2"], src.root, dtype))
@@ -274,7 +274,7 @@ def base_weights(src: Any, component: str, paths: list[str]) -> dict[str, torch.
     """fp32 weights (``<path>.weight``) of modules of a single-file FLUX model, as the diffusers
     model holds them (q/k/v: their rows of the fused BFL weight; norm_out: halves swapped)."""
     if component == "text_encoder":
-        from ..singlefile.text import load_clip_l
+        from .._shared.singlefile.text import load_clip_l
 
         clip = load_clip_l(src.files["text_encoder"], src.root, torch.float32)
         return {p: clip.get_submodule(p).weight.detach() for p in paths}

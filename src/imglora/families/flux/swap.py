@@ -16,7 +16,7 @@ from ...errors import ImgloraError
 from ...memory.swap import swap_mask
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 

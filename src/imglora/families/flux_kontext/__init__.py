@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .. import diffusers_image as common
+from .._shared import diffusers_image as common
 from ..flux import FluxFamily
 from ..flux import keys as flux_keys
 from ..flux import model as flux_model
@@ -24,7 +24,7 @@ from . import comfyui, model
 from .config import FluxKontextConfig
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "flux1-kontext-dev"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comfyui import UI_ONLY, Node
+from ...export.workflows import UI_ONLY, Node
 from ..flux import comfyui as flux
 
 UNET = "flux1-kontext-dev.safetensors"  # Black Forest Labs' file name

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...owned import own_module
+from ...util.owned import own_module
 from . import data, merge as merging, tiny
 from .chat import IGNORE
 from .config import LlmConfig
@@ -25,7 +25,7 @@ from .model import (EVAL_MAX_NEW_TOKENS, FULL_CONFIG, LlmTrainable, _Answerer, _
                     _give_add_adapter, base_model_name)
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name (SAFETENSORS_WEIGHTS_NAME)
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module paths
@@ -118,7 +118,7 @@ class LlmFamily:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ...tiny import random_init
+        from ...models.tiny import random_init
 
         config = AutoConfig.for_model(**FULL_CONFIG)
         with init_empty_weights(include_buffers=False):  # weights on meta, RoPE's inv_freq computed
@@ -149,7 +149,7 @@ class LlmFamily:
         """A PEFT adapter folder, exactly as ``PeftModel.save_pretrained`` writes one."""
         from peft.utils import get_peft_model_state_dict
 
-        from ... import atomic
+        from ...util import atomic
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ class LlmFamily:
 
     def read_adapter(self, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]:
         """LoRA state keyed as ``get_peft_model_state_dict`` keys it (``model.layers.0...lora_A.weight``)."""
-        from ...owned import load_file
+        from ...util.owned import load_file
 
         weights = load_file(Path(folder) / ADAPTER_FILE)
         return {k.removeprefix(PEFT_PREFIX): v for k, v in weights.items()}

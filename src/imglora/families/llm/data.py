@@ -13,11 +13,11 @@ import torch
 
 from ...data.samples import PreparedData, Sample
 from ...errors import DataError, ImgloraError
-from ...hashing import sha256_file
+from ...util.hashing import sha256_file
 from .chat import IGNORE, Conversation, encode, length_report, read_jsonl
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 LENGTH_BUCKET = 64  # conversations are batched with others of similar length (less padding)
 

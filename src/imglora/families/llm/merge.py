@@ -17,7 +17,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from ... import atomic, checkpoint, record
+from ...util import atomic
+from ...training import checkpoint
+from ...runs import record
 from ...errors import ImgloraError
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -56,7 +58,7 @@ def merge(family: Any, run_dir: str | Path, cfg: Any, out: str | Path, *, which:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ...models import resolve_model
+    from ...models.resolve import resolve_model
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:

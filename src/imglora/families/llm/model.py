@@ -38,7 +38,7 @@ class LlmTrainable:
 def base_model_name(path: str, folder: Path) -> str:
     """What ``adapter_config.json`` names as the base: the hub id as the preset gives it, else the
     resolved local folder (``tiny:llm`` and relative paths mean nothing elsewhere)."""
-    from ...models import looks_like_hub_id
+    from ...models.resolve import looks_like_hub_id
 
     local = Path(path).expanduser()
     if not path.startswith("tiny:") and not local.exists() and looks_like_hub_id(path):

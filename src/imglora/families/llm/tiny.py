@@ -1,11 +1,11 @@
 """The tiny chat model (``tiny:llm``): a Qwen2 layout with a byte-level BPE tokenizer and Qwen's
-ChatML template, tiny widths, random weights (see ``imglora.tiny``)."""
+ChatML template, tiny widths, random weights (see ``imglora.models.tiny``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...tiny import save_model, seeded, write_json as _write_json
+from ...models.tiny import save_model, seeded, write_json as _write_json
 
 # Qwen2-Instruct's chat template, verbatim: ChatML with a default system turn.
 CHAT_TEMPLATE = (

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...errors import ImgloraError
-from ...owned import own_module
-from .. import diffusers_image as common
+from ...util.owned import own_module
+from .._shared import diffusers_image as common
 from . import comfyui, keys, model, singlefile, tiny
 from .config import QwenImageConfig
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 
 class QwenImageFamily:
@@ -60,7 +60,7 @@ class QwenImageFamily:
     adapter_types = ("lora", "dora", "loha", "lokr", "oft")
     swappable_blocks = ("transformer_blocks",)
     compile_blocks = ("QwenImageTransformerBlock",)  # memory.compile = "blocks"
-    streams_blocks = True  # the transformer is read block by block (flux.stream): plan's host-RAM term
+    streams_blocks = True  # the transformer is read block by block (_shared.stream): plan's host-RAM term
     export_formats = keys.FORMATS
     pipeline = "QwenImagePipeline"
     denoiser = "transformer"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comfyui import Node, Sampling, file_name, ksampler, text_node
+from ...export.workflows import Node, Sampling, file_name, ksampler, text_node
 
 UNET = "qwen_image_fp8_e4m3fn.safetensors"
 TEXT_ENCODER = "qwen_2.5_vl_7b_fp8_scaled.safetensors"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ...config import setting
-from ..flux.config import FlowMatchingObjective
+from .._shared.flow_matching import FlowMatchingObjective
 
 
 @dataclass(frozen=True)

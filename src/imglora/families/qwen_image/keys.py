@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ...adapter_forms import Module, comfy_tensors
+from ...adapters.forms import Module, comfy_tensors
 from ...errors import ImgloraError
-from ...export import add_unique, kohya_name
+from ...export.writer import add_unique, kohya_name
 
 FORMATS = ("default", "kohya")
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...memory.swap import swap_mask
-from ...tiny import random_init
-from ..flux import stream
-from ..flux.model import flow_matching_loss, noised
+from ...models.tiny import random_init
+from .._shared import stream
+from .._shared.flow_matching import flow_matching_loss, noised
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "qwen-image"
 BLOCKS = {"block": "transformer_blocks"}  # its one block list, for the streamed reader
@@ -69,7 +69,7 @@ def shift_mu(root: Path | None) -> Callable[[int], float]:
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
                    quantize_exclude: tuple[str, ...], make: Any = None) -> "QwenImageTrainable":
-    """Read block by block (``flux.stream``): each block quantized with memory.fp8 and placed as it
+    """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it
     is read, so the host never holds the 20B transformer in its load dtype; the quantized model
     kept in the cache for the next run."""
     swapped = swapped_blocks(block_counts(src.root), cfg)
@@ -87,7 +87,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
                    blocks_to_swap: int | None = None, make: Any = None) -> "QwenImageTrainable":
     """The real Qwen-Image transformer architecture (20B) with random weights, for benchmarks (made
     block by block on CUDA: ``diffusers_image.random_on_device``)."""
-    from ..diffusers_image import builds_on_device, random_on_device
+    from .._shared.diffusers_image import builds_on_device, random_on_device
 
     transformer = _meta(CONFIGS, dtype)
     facts: dict[str, Any] = {}
@@ -121,7 +121,7 @@ def with_rope_tables(transformer: Any) -> Any:
 def _meta(root: Path, dtype: torch.dtype) -> Any:
     from diffusers import QwenImageTransformer2DModel
 
-    from ...safefiles import diffusers_config
+    from ...models.safefiles import diffusers_config
 
     config = diffusers_config(QwenImageTransformer2DModel, root, "transformer")
     with torch.device("meta"):

@@ -7,7 +7,7 @@ found by path or by bare name in a ComfyUI install, with the shipped Qwen-Image 
 tokenizer (the Hugging Face cache, or ComfyUI's ``qwen25_tokenizer``).
 
 fp8 files are upcast tensor by tensor (times their scale where they have one). The transformer is
-read block by block (``flux.stream`` calls :func:`load_transformer` with each block's callback), so
+read block by block (``_shared.stream`` calls :func:`load_transformer` with each block's callback), so
 the host never holds it whole in its load dtype.
 """
 
@@ -21,9 +21,9 @@ import torch
 
 from ...errors import ModelSourceError
 from ...memory.host import release_free_memory
-from ...owned import own_module
-from ...safefiles import check_shapes, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
-from ..singlefile.inspect import expect
+from ...util.owned import own_module
+from ...models.safefiles import check_shapes, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
+from .._shared.singlefile.inspect import expect
 
 SHIPPED = Path(__file__).parent / "configs" / "qwen-image"
 KIND = "qwen-image-transformer"
@@ -39,8 +39,8 @@ def resolve_files(model: Any, find: Any, overlay: Path | None = None) -> Any:
     (``model.text_encoder``) and the VAE (``model.vae``), with the shipped configs (or
     ``model.config``) and Qwen2.5's tokenizer. ``overlay``: configs of a model that differs from
     Qwen-Image only there (the Edit models' model_index.json and image processor)."""
-    from ...source import ModelSource
-    from ..singlefile.configdir import assemble, find_parts, find_tokenizer, override
+    from ...models.source import ModelSource
+    from .._shared.singlefile.configdir import assemble, find_parts, find_tokenizer, override
 
     path = find(model.path, ("diffusion_models", "unet", "checkpoints"), "model.path")
     expect(path, KIND)

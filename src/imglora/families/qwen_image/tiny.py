@@ -1,14 +1,14 @@
 """The tiny Qwen-Image model (``tiny:qwen_image``): the real layout (a Qwen2.5-VL text encoder with
 its vision tower, a Qwen2 tokenizer, Qwen-Image's 3D-causal VAE and transformer, the real scheduler
-config), tiny widths, random weights (see ``imglora.tiny``)."""
+config), tiny widths, random weights (see ``imglora.models.tiny``)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from ...tiny import save_model, seeded
-from .. import tiny_parts as tp
+from ...models.tiny import save_model, seeded
+from .._shared import tiny_parts as tp
 from .model import CONFIGS
 
 # The words of QwenImagePipeline's chat template, so it tokenizes as the real tokenizer cuts it

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...errors import ModelSourceError
-from .. import diffusers_image as common
+from .._shared import diffusers_image as common
 from ..qwen_image import QwenImageFamily
 from ..qwen_image import keys as qwen_keys
 from ..qwen_image import singlefile as qwen_files
@@ -29,7 +29,7 @@ from . import comfyui, model
 from .config import QwenImageEditConfig, QwenImageEditPlusConfig
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -109,7 +109,7 @@ class QwenImageEditFamily(QwenImageFamily):
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
         """Each prompt with its source image(s), and the negative prompt with the same sources (the
         pipelines encode both with the image)."""
-        from ...devices import dtype as dtype_of, encoder_dtype_name, free
+        from ...util.devices import dtype as dtype_of, encoder_dtype_name, free
         from ...family import text_length
 
         sets = common.source_image_sets(self, cfg, prompts)  # before any encoder loads: errors come first

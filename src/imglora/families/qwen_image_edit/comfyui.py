@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comfyui import UI_ONLY, Node, Sampling, file_name, ksampler
+from ...export.workflows import UI_ONLY, Node, Sampling, file_name, ksampler
 from ..qwen_image import comfyui as qwen
 
 UNET = "qwen_image_edit_fp8_e4m3fn.safetensors"  # Comfy-Org's file names

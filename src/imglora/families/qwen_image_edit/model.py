@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..flux.model import pack_latents
+from .._shared.flow_matching import pack_latents
 from ..qwen_image.model import TEXT_MAX_LENGTH, QwenImageTrainable
 from ..qwen_image.model import synthetic_batch as qwen_batch
 

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...owned import own_module
-from .. import diffusers_image as common
+from ...util.owned import own_module
+from .._shared import diffusers_image as common
 from . import comfyui, keys, model, singlefile, tiny
 from .config import SdxlConfig
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 
 class SdxlFamily:

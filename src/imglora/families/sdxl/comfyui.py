@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...comfyui import Node, Sampling, file_name, ksampler, text_node
+from ...export.workflows import Node, Sampling, file_name, ksampler, text_node
 
 # The base-model file name ComfyUI users have (the official example workflows').
 CHECKPOINT = "sd_xl_base_1.0.safetensors"

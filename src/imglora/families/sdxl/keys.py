@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from ...errors import ImgloraError
-from ...adapter_forms import Module, comfy_tensors
-from ...export import add_unique, kohya_name
-from ..diffusers_image import clip_path
+from ...adapters.forms import Module, comfy_tensors
+from ...export.writer import add_unique, kohya_name
+from .._shared.diffusers_image import clip_path
 
 FORMATS = ("default", "kohya")  # the same form under both names
 KOHYA_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}

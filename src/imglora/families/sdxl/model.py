@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import weighting
+from .._shared import weighting
 from ...errors import ImgloraError
-from ...owned import own_module
-from ...rng import draws
-from ...tiny import random_init
+from ...util.owned import own_module
+from ...util.rng import draws
+from ...models.tiny import random_init
 from . import singlefile
 
 if TYPE_CHECKING:
-    from ...source import ModelSource
+    from ...models.source import ModelSource
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json, for benchmarks before a download.
 FULL_UNET = dict(
@@ -82,7 +82,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     only be 0). Elsewhere the whole UNet is made on the host, as before."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
-    from ..diffusers_image import builds_on_device, random_on_device
+    from .._shared.diffusers_image import builds_on_device, random_on_device
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**FULL_UNET)
@@ -155,7 +155,7 @@ class SdxlTrainable:
             batch = {**batch, **self.encode_text(batch)}
         latents = batch["latents"]
         device, n = latents.device, latents.shape[0]
-        rng = draws(generator)  # a torch.Generator, or one generator per sample (imglora.rng)
+        rng = draws(generator)  # a torch.Generator, or one generator per sample (imglora.util.rng)
         noise = rng.randn(latents.shape, device=device, dtype=latents.dtype)
         if self.noise_offset:
             # A per-channel constant shift teaches the model to change overall brightness.
@@ -186,7 +186,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTr
     meta device, frozen, with the preset's gradient checkpointing: for ``imglora plan``."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
-    from ...safefiles import diffusers_config
+    from ...models.safefiles import diffusers_config
 
     root = root or singlefile.SHIPPED
     config = diffusers_config(UNet2DConditionModel, root, "unet")
@@ -198,7 +198,7 @@ def meta_trainable(root: "Path | None", cfg: Any, dtype: torch.dtype) -> "SdxlTr
     scheduler = DDPMScheduler.from_config(DDPMScheduler.load_config(str(root), subfolder="scheduler"))
     trainable = SdxlTrainable(unet, scheduler, cfg.family, cfg.train)
     if cfg.lora.text_encoder:
-        from .. import diffusers_image
+        from .._shared import diffusers_image
         from . import SdxlFamily
 
         trainable.text_encoders = diffusers_image.meta_text_encoders(SdxlFamily, root, singlefile.SHIPPED, dtype)

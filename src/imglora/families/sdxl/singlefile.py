@@ -20,9 +20,10 @@ from typing import Any, Literal
 import torch
 
 from ...errors import ModelSourceError
-from ...safefiles import PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored, open_file
-from ..singlefile.inspect import SGM_CLIP_G, SGM_CLIP_L, SGM_VAE, UNET_PREFIX, expect
-from ..singlefile.text import clip_state, ldm_vae
+from ...models.safefiles import (PathLike, Reader, diffusers_config, empty_model, fill, hf_config, note_ignored,
+                                 open_file)
+from .._shared.singlefile.inspect import SGM_CLIP_G, SGM_CLIP_L, SGM_VAE, UNET_PREFIX, expect
+from .._shared.singlefile.text import clip_state, ldm_vae
 
 SDXL_PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 # diffusers component -> name of the part in inspect.Layout.parts
@@ -171,8 +172,8 @@ CLIP_TOKENIZER = [("stabilityai/stable-diffusion-xl-base-1.0", "tokenizer"), ("o
 def resolve_files(model: Any, find: Any) -> Any:
     """An SGM checkpoint (``model.path``, in ComfyUI's checkpoints folder), optionally a separate VAE
     (``model.vae``), and the folder of SDXL base's configs with CLIP's tokenizers."""
-    from ...source import ModelSource
-    from ..singlefile.configdir import assemble, find_tokenizer, override
+    from ...models.source import ModelSource
+    from .._shared.singlefile.configdir import assemble, find_tokenizer, override
 
     path = find(model.path, ("checkpoints",), "model.path")
     layout = expect(path, "sdxl-checkpoint")

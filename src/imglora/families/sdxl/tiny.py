@@ -1,11 +1,11 @@
-"""The tiny SDXL model (``tiny:sdxl``): the real layout, tiny widths, random weights (see ``imglora.tiny``)."""
+"""The tiny SDXL model (``tiny:sdxl``): the real layout, tiny widths, random weights (see ``imglora.models.tiny``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...tiny import save_model, seeded
-from .. import tiny_parts as tp
+from ...models.tiny import save_model, seeded
+from .._shared import tiny_parts as tp
 
 
 def build(dest: Path, seed: int) -> None:

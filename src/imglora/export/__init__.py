@@ -1,0 +1,1 @@
+"""Export: the ComfyUI-ready writer, its metadata and the ComfyUI workflows."""
