@@ -59,6 +59,7 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     from imglora.training import step as loop
     from imglora.plan import predict as plan
     from imglora.models.tiny import random_init
+    from imglora.family import Swappable, supports
 
     setting = plan.Setting(precision, blocks)
     t = time.perf_counter()
@@ -67,8 +68,9 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     trainable = family.meta_trainable(src, cfg, torch.float32)
     random_init(trainable.model, torch.float32)
     trainable.model.requires_grad_(False)
-    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=10, out=lambda s: None,
-                                 blocks_to_swap=blocks)
+    swapping = family.with_blocks_to_swap(cfg, blocks) if supports(family, Swappable) else cfg
+    session = loop.build_session(swapping, family, trainable, loop.accelerator_for(cfg), total=10,
+                                 out=lambda s: None)
     batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
     t = time.perf_counter()
     peak = loop.measured_peak(session, batch)

@@ -49,6 +49,7 @@ def measure(cfg, family, src, precision: str, blocks: int, resolution: int, warm
     from imglora.training import step as loop
     from imglora.plan import predict as plan, timing as plan_time
     from imglora.models.tiny import random_init
+    from imglora.family import Swappable, supports
 
     device = plan_time.calibrate_cpu()
     predicted = plan.predict(cfg, family, [plan.Setting(precision, blocks)], device_kind="cpu", src=src,
@@ -59,8 +60,9 @@ def measure(cfg, family, src, precision: str, blocks: int, resolution: int, warm
         trainable.model.requires_grad_(False)
     else:
         trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
-    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=100, out=lambda s: None,
-                                 blocks_to_swap=blocks)
+    swapping = family.with_blocks_to_swap(cfg, blocks) if supports(family, Swappable) else cfg
+    session = loop.build_session(swapping, family, trainable, loop.accelerator_for(cfg), total=100,
+                                 out=lambda s: None)
     batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("cpu"))
     loss_sum = torch.zeros(())
     times = []

@@ -99,16 +99,18 @@ class Swappable(Protocol):
     swappable_blocks: tuple[str, ...]  # attribute paths of the block lists, in execution order
 
     def block_counts(self, src: "ModelSource") -> list[int]: ...  # blocks per list, from the config alone
-    def swap_counts(self, lengths: list[int], cfg: "Config", override: int | None = None) -> list[int]: ...
-    # blocks per list to swap: the preset's setting, or ``override`` (a kohya-style total) when given
+    def swap_counts(self, lengths: list[int], cfg: "Config") -> list[int]: ...  # blocks per list to swap
+    def with_blocks_to_swap(self, cfg: "Config", n: int) -> "Config": ...
+    # ``cfg`` with kohya's count ``n`` as its only swap setting (the family's own per-list counts
+    # unset): how the evaluation pass, bench-swap and the plan choose a count, the one route an
+    # override takes (the config)
 
 
 @runtime_checkable
 class Benchable(Protocol):
-    def full_trainable(self, cfg: "Config", dtype: torch.dtype, device: torch.device | None = None,
-                       blocks_to_swap: int | None = None) -> Trainable: ...
+    def full_trainable(self, cfg: "Config", dtype: torch.dtype, device: torch.device | None = None) -> Trainable: ...
     # The full-size model with random weights, frozen. On CUDA (``device``) a family may make it
-    # there part by part (quantized with memory.fp8, the blocks that ``blocks_to_swap`` swaps, as
+    # there part by part (quantized with memory.fp8, the blocks ``cfg`` swaps, as
     # in memory.wrap.apply_memory, moved to the host) so it never exists whole on the host; without
     # ``device`` or on the CPU it is made on the host. Either way apply_memory finishes the placing.
     def synthetic_batch(self, trainable: Trainable, resolution: int, cfg: "Config",

@@ -69,7 +69,7 @@ def _qlinear():
 def _flux(device: torch.device, blocks: int, fp8: bool = True):
     cfg = load_config(TINY_FLUX, [f"memory.fp8={'true' if fp8 else 'false'}"])
     family = get_family("flux")
-    return family.full_trainable(cfg, torch.float32, device, blocks)
+    return family.full_trainable(cfg.replace(memory={"blocks_to_swap": blocks}), torch.float32, device)
 
 
 def test_flux_parts_are_quantized_as_made_and_swapped_blocks_go_to_the_host(small, on_cpu_too, moves) -> None:

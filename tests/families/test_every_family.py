@@ -107,7 +107,8 @@ def test_each_claimed_capability_works(prepared) -> None:
         counts = family.block_counts(model_dir)
         trainable = family.load_trainable(model_dir, cfg, device, torch.float32)
         assert counts == [len(getattr(trainable.model, n)) for n in family.swappable_blocks]
-        assert family.swap_counts(counts, cfg, 0) == [0] * len(counts)
+        none = family.with_blocks_to_swap(cfg, 0)
+        assert none.memory.blocks_to_swap == 0 and family.swap_counts(counts, none) == [0] * len(counts)
     if supports(family, Benchable):
         trainable = family.load_trainable(model_dir, cfg, device, torch.float32)
         batch = family.synthetic_batch(trainable, 64, cfg, device)

@@ -189,9 +189,9 @@ def test_the_last_blocks_text_outputs_take_no_adapter_and_every_adapter_learns(p
 def test_blocks_to_swap_counts_blocks_and_says_the_largest(prepared) -> None:
     cfg, family, src, _ = prepared
     counts = family.block_counts(src)
-    assert counts == [3] and family.swap_counts(counts, cfg, 2) == [2]
+    assert counts == [3] and family.swap_counts(counts, family.with_blocks_to_swap(cfg, 2)) == [2]
     with pytest.raises(ImgloraError, match=r"memory.blocks_to_swap = 4, but Qwen-Image has only 3 blocks .* 3$"):
-        family.swap_counts(counts, cfg, 4)
+        family.swap_counts(counts, family.with_blocks_to_swap(cfg, 4))
     assert qwen_model.swapped_blocks(counts, cfg.replace(memory={"blocks_to_swap": 2})) == {("block", 1), ("block", 2)}
 
 

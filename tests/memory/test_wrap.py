@@ -40,16 +40,24 @@ def test_fp8_then_swap_with_facts_for_the_record() -> None:
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
 
 
-def test_an_override_replaces_the_presets_swap_count_and_zero_swaps_nothing() -> None:
-    family, cfg, _, model = flux_model("memory.fp8=false", "memory.blocks_to_swap=4")
-    assert apply_memory(model, family, cfg, torch.device("cpu"), lambda s: None, blocks_to_swap=0).swapper is None
+def test_a_swap_count_replaces_the_presets_through_the_config_and_zero_swaps_nothing() -> None:
+    """The one route a count takes (evaluation, bench-swap, the plan): family.with_blocks_to_swap,
+    which also unsets the preset's own double/single counts."""
+    family, cfg, _, model = flux_model("memory.fp8=false", "memory.blocks_to_swap=0", "flux.double_blocks_to_swap=2",
+                                       "flux.single_blocks_to_swap=3")
+    assert family.swap_counts([2, 4], cfg) == [2, 3]
+    four = family.with_blocks_to_swap(cfg, 4)
+    assert (four.memory.blocks_to_swap, four.family.double_blocks_to_swap, four.family.single_blocks_to_swap) == (4, -1, -1)
+    assert family.swap_counts([2, 4], four) == [2, 4]  # kohya's 4: 4//2 double, (4 - 2) * 2 single
+    assert apply_memory(model, family, family.with_blocks_to_swap(cfg, 0), torch.device("cpu"),
+                        lambda s: None).swapper is None
 
 
 def test_swap_settings_the_model_cannot_take_are_refused_from_its_config() -> None:
     family, cfg, model_dir, _ = flux_model("memory.blocks_to_swap=11")
     with pytest.raises(ImgloraError, match="memory.blocks_to_swap = 11: swapping 11 blocks means 5 double"):
         check_swap_counts(family, model_dir, cfg)
-    check_swap_counts(family, model_dir, cfg, blocks_to_swap=4)  # an override that fits is fine
+    check_swap_counts(family, model_dir, family.with_blocks_to_swap(cfg, 4))  # a count that fits is fine
     with pytest.raises(ImgloraError, match="memory.blocks_to_swap = 11"):  # and loading refuses before reading
         family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
 

@@ -326,10 +326,11 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     from ..runs import record, telemetry
     from ..memory.fp8 import weight_bytes
     from ..models.resolve import resolve_model
+    from ..family import Swappable, supports
     from .common import family_of, load_config
 
     device = devices.default_device()
-    overrides = list(spec["overrides"]) + [f"memory.blocks_to_swap={spec['blocks']}"]
+    overrides = list(spec["overrides"])
     if spec["precision"] in FP8_SETTINGS:
         overrides += ["memory.fp8=true"] + [f"memory.{k}={str(v).lower()}" for k, v in
                                             FP8_SETTINGS[spec["precision"]].items()]
@@ -343,6 +344,11 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         overrides.append('memory.compile="blocks"')
     cfg = load_config(spec["preset"], overrides)
     family = family_of(cfg)
+    # The setting's swap count, as kohya counts it (the preset's own per-list counts do not apply).
+    if supports(family, Swappable):
+        cfg = family.with_blocks_to_swap(cfg, spec["blocks"])
+    elif spec["blocks"]:
+        raise ImgloraError(f"the {family.name} family has no swappable blocks; bench it with 0 blocks")
     dtype = devices.weight_dtype(cfg, device)
     result: dict[str, Any] = {"device": device.type, "environment": record.environment()}
     stage = "load"
@@ -354,7 +360,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["arch"] == "full":
             # On CUDA made there block by block (quantized, swapped blocks sent to the host) rather
             # than whole on the host: minutes per setting less for FLUX.1's 12B.
-            trainable = family.full_trainable(cfg, dtype, device, spec["blocks"])
+            trainable = family.full_trainable(cfg, dtype, device)
             data_source = "synthetic"
             if "full_build" in trainable.facts:
                 result["full_build"] = trainable.facts["full_build"]
@@ -363,9 +369,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             trainable = family.load_trainable(src, cfg, device, dtype)
         stage = "memory setup"
         trace(stage)
-        # The swap count is the setting's, as kohya counts it (the preset's explicit counts do not apply).
-        session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None,
-                                     blocks_to_swap=spec["blocks"])
+        session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None)
         memory = session.memory
         result["weight_bytes"] = weight_bytes(session.model)
         if spec["arch"] != "full":

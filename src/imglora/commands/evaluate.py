@@ -118,16 +118,19 @@ def select_checkpoints(run_dir: Path, which: str | int = "latest",
 # The pass
 
 
-def eval_memory(cfg: "Config", family: "Family") -> tuple[dict[str, Any], int | None]:
-    """(memory.* changes, blocks to swap) for the evaluation: eval.fp8 / eval.blocks_to_swap where set."""
-    e, changes = cfg.eval, {"gradient_checkpointing": False}  # no backward here
+def eval_config(cfg: "Config", family: "Family") -> "Config":
+    """The run's configuration as the evaluation runs it: no gradient checkpointing (no backward),
+    eval.fp8 and eval.blocks_to_swap where set (a swap count through the family, which unsets its
+    own per-list counts: the one route a swap count takes)."""
+    e, changes = cfg.eval, {"gradient_checkpointing": False}
     if e.fp8 != "same":
         changes["fp8"] = e.fp8 == "on"
-    swap = None
-    if e.blocks_to_swap >= 0:
-        changes["blocks_to_swap"] = e.blocks_to_swap
-        swap = e.blocks_to_swap if supports(family, Swappable) else None
-    return changes, swap
+    if e.blocks_to_swap >= 0 and not supports(family, Swappable):
+        changes["blocks_to_swap"] = e.blocks_to_swap  # (the config refuses a count above 0 there)
+    cfg = cfg.replace(memory=changes)
+    if e.blocks_to_swap >= 0 and supports(family, Swappable):
+        cfg = family.with_blocks_to_swap(cfg, e.blocks_to_swap)
+    return cfg
 
 
 def eval_weights(weights: str, cfg: "Config") -> list[str]:
@@ -159,8 +162,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
     family = family_of(cfg)
     if not supports(family, Sampler):
         raise ImgloraError(f"the {family.name} family has no evaluation pass yet")
-    memory_changes, swap = eval_memory(cfg, family)
-    cfg = cfg.replace(memory=memory_changes)
+    cfg = eval_config(cfg, family)
     targets = select_checkpoints(run_dir, checkpoint, all_checkpoints)
     strengths = [float(s) for s in (cfg.eval.strengths if strengths is None else strengths)]
     if not strengths:
@@ -174,7 +176,7 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
     peaks = _PhasePeaks(rec, device)
     result = EvalResult(run_dir, [s for s, _ in targets])
     try:
-        _evaluate(cfg, family, run_dir, targets, prompts_file, strengths, seed, device, dtype, swap, rec, peaks,
+        _evaluate(cfg, family, run_dir, targets, prompts_file, strengths, seed, device, dtype, rec, peaks,
                   result, out, kinds)
     except BaseException as exc:
         rec.set(error=f"{type(exc).__name__}: {exc}", **peaks.facts(), seconds=round(time.perf_counter() - t_start, 3))
@@ -190,11 +192,11 @@ def evaluate(run_dir: str | Path, *, checkpoint: str | int = "latest", all_check
 
 def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tuple[int, Path]],
               prompts_file: str | Path | None, strengths: list[float], seed: int, device: torch.device,
-              dtype: torch.dtype, swap: int | None, rec: record.RunRecord, peaks: "_PhasePeaks", result: EvalResult,
+              dtype: torch.dtype, rec: record.RunRecord, peaks: "_PhasePeaks", result: EvalResult,
               out: Callable[[str], None], kinds: list[str]) -> None:
     with peaks.phase("resolve_model"):
         src = resolve_model(cfg.model, family)
-        check_swap_counts(family, src, cfg, swap)
+        check_swap_counts(family, src, cfg)
         loop.check_attention(cfg, device)
     with peaks.phase("cache"):  # held-out images are cached with the training images; usually all reused
         data = family.prepare_data(cfg, src, device)
@@ -212,7 +214,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
     with peaks.phase("load_model"):
         trainable = family.load_trainable(src, cfg, device, dtype)
         model = trainable.model
-        _, memory = loop.adapt(trainable, family, cfg, device, out, blocks_to_swap=swap)
+        _, memory = loop.adapt(trainable, family, cfg, device, out)
         model.eval()
         if memory.swapper is None and not cfg.memory.fp8 and cfg.memory.quantization == "none":
             # torch picks another matmul path (at::matmul folds batch dimensions) when a weight requires

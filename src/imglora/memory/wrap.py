@@ -43,15 +43,15 @@ class MemorySetup:
         return context(self.attention_kernel, self.device_type)
 
 
-def check_swap_counts(family: Any, src: "ModelSource", cfg: Any, blocks_to_swap: int | None = None) -> None:
+def check_swap_counts(family: Any, src: "ModelSource", cfg: Any) -> None:
     """Refuse a swap setting the model cannot take before the model is loaded (from its config)."""
     if supports(family, Swappable):
-        family.swap_counts(family.block_counts(src), cfg, blocks_to_swap)
+        family.swap_counts(family.block_counts(src), cfg)
 
 
-def swap_plan(model: nn.Module, family: Any, cfg: Any, blocks_to_swap: int | None = None) -> list[tuple[str, list[bool]]]:
+def swap_plan(model: nn.Module, family: Any, cfg: Any) -> list[tuple[str, list[bool]]]:
     """``(block list attribute, one bool per block: swapped)`` for each of the family's swappable
-    block lists, as :func:`apply_memory` will swap them (``blocks_to_swap`` as there); ``[]`` for a
+    block lists, as :func:`apply_memory` will swap them; ``[]`` for a
     family without swappable blocks. Works on a model still on the meta device."""
     from .swap import swap_mask
 
@@ -59,23 +59,23 @@ def swap_plan(model: nn.Module, family: Any, cfg: Any, blocks_to_swap: int | Non
     if not lists:
         return []
     lengths = [len(getattr(model, n)) for n in lists]
-    counts = family.swap_counts(lengths, cfg, blocks_to_swap)
+    counts = family.swap_counts(lengths, cfg)
     return [(name, swap_mask(length, n)) for name, length, n in zip(lists, lengths, counts)]
 
 
-def swapped_modules(model: nn.Module, family: Any, cfg: Any, blocks_to_swap: int | None = None) -> set[str]:
+def swapped_modules(model: nn.Module, family: Any, cfg: Any) -> set[str]:
     """Module names (``"single_transformer_blocks.37"``) of the blocks :func:`apply_memory` will swap:
     a model built piece by piece leaves exactly these on the host."""
-    return {f"{name}.{i}" for name, mask in swap_plan(model, family, cfg, blocks_to_swap)
+    return {f"{name}.{i}" for name, mask in swap_plan(model, family, cfg)
             for i, swapped in enumerate(mask) if swapped}
 
 
 def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
-                 out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> MemorySetup:
-    """FP8 or 4-bit base weights, block swapping and compiled blocks as ``cfg.memory`` asks
-    (``blocks_to_swap``, when given, replaces the preset's swap setting: the evaluation pass and
-    benchmarks choose their own); the model ends on ``device``."""
-    setup = _placed(model, family, cfg, device, out, blocks_to_swap)
+                 out: Callable[[str], None] = print) -> MemorySetup:
+    """FP8 or 4-bit base weights, block swapping and compiled blocks as ``cfg.memory`` asks (the
+    evaluation pass and benchmarks choose their own swap count in ``cfg``:
+    ``family.with_blocks_to_swap``); the model ends on ``device``."""
+    setup = _placed(model, family, cfg, device, out)
     setup.attention_kernel, setup.device_type = cfg.memory.attention_kernel, device.type
     from .attention import kernels
 
@@ -92,8 +92,7 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     return setup
 
 
-def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: Callable[[str], None],
-            blocks_to_swap: int | None) -> MemorySetup:
+def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: Callable[[str], None]) -> MemorySetup:
     setup = MemorySetup()
     m = cfg.memory
     if m.fp8:
@@ -130,7 +129,7 @@ def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: 
         setup.facts[kind] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
                              "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
         setup.facts["quantization"] = {"setting": m.quantization, "ran": kind, "why": why}
-    plan = swap_plan(model, family, cfg, blocks_to_swap)
+    plan = swap_plan(model, family, cfg)
     lists, counts = [name for name, _ in plan], [sum(block_mask) for _, block_mask in plan]
     if not any(counts):
         to_device(model, device)

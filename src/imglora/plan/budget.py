@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def valid_swap(family: Any, lengths: list[int], cfg: "Config", n: int) -> bool:
     try:
-        family.swap_counts(lengths, cfg, n)
+        family.swap_counts(lengths, family.with_blocks_to_swap(cfg, n))
         return True
     except ImgloraError:
         return False

@@ -257,7 +257,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
     from ..family import supports
     from ..memory.wrap import swap_plan
 
-    from ..family import Benchable, Plannable
+    from ..family import Benchable, Plannable, Swappable
 
     if not (supports(family, Plannable) and supports(family, Benchable)):
         raise ImgloraError(f"imglora plan does not know the {family.name} family's architecture yet")
@@ -285,7 +285,8 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         model = prof.model
         quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in FP8_SETTINGS else set()
 
-        plan_ = swap_plan(model, family, cfg, s.blocks)
+        swap_cfg = family.with_blocks_to_swap(cfg, s.blocks) if supports(family, Swappable) else cfg
+        plan_ = swap_plan(model, family, swap_cfg)
         if s.blocks and not plan_:
             raise ImgloraError(f"the {family.name} family has no swappable blocks; use 0 blocks")
         resident = swapped = 0

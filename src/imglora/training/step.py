@@ -85,7 +85,7 @@ def accelerator_for(cfg: "Config", trackers: list[Any] | None = None) -> Any:
 
 
 def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device,
-          out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> tuple[Any, MemorySetup]:
+          out: Callable[[str], None] = print) -> tuple[Any, MemorySetup]:
     """LoRA on the loaded model, then its memory features; the same for training, bench and eval.
 
     Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
@@ -99,7 +99,7 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
     for module in (trainable.model, *encoders.values()):
         for p in lora.trainable_parameters(module):
             p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
-    return lora_config, apply_memory(trainable.model, family, cfg, device, out, blocks_to_swap)  # fp8, swap, device
+    return lora_config, apply_memory(trainable.model, family, cfg, device, out)  # fp8, swap, device
 
 
 def check_attention(cfg: "Config", device: torch.device) -> None:
@@ -129,9 +129,9 @@ def load_adapter(model: torch.nn.Module, trainable: "Trainable", family: "Family
 
 
 def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accelerator: Any, *, total: int | None,
-                  out: Callable[[str], None] = print, blocks_to_swap: int | None = None) -> Session:
+                  out: Callable[[str], None] = print) -> Session:
     """LoRA, memory features, optimizer and (with ``total`` updates) the learning-rate schedule."""
-    lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out, blocks_to_swap)
+    lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out)
     encoders = text_encoders(trainable)
     if accelerator.mixed_precision in ("bf16", "fp16"):  # every forward of a session runs under autocast
         for module in (trainable.model, *encoders.values()):

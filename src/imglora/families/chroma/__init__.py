@@ -111,9 +111,8 @@ class ChromaFamily:
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
         return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
-                       blocks_to_swap: int | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
@@ -125,8 +124,11 @@ class ChromaFamily:
     def block_counts(self, src: "ModelSource") -> list[int]:
         return swap.block_counts(src)
 
-    def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
-        return swap.swap_counts(lengths, cfg, override)
+    def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
+        return swap.swap_counts(lengths, cfg)
+
+    def with_blocks_to_swap(self, cfg: Any, n: int) -> Any:
+        return swap.with_blocks_to_swap(cfg, n)
 
     # -- evaluation -------------------------------------------------------------------------
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:

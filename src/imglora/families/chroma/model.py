@@ -44,8 +44,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
-                   blocks_to_swap: int | None = None) -> "ChromaTrainable":
+def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None) -> "ChromaTrainable":
     """The real Chroma1-HD transformer architecture (8.9B) with random weights, for benchmarks (made
     block by block on CUDA, as FLUX.1's: ``diffusers_image.random_on_device``)."""
     from .._shared.diffusers_image import builds_on_device, random_on_device
@@ -54,7 +53,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"{name}.{i}" for name in swap.BLOCK_LISTS for i in range(len(getattr(transformer, name)))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, blocks_to_swap)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(with_mod_proj(transformer), cfg)

@@ -185,9 +185,8 @@ class FluxFamily:
             return load_clip_l(src.files["text_encoder"], src.root, dtype).eval()
         return own_module(CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)).eval()
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
-                       blocks_to_swap: int | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap, self.trainable)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self, self.trainable)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype, self.trainable)
@@ -199,8 +198,11 @@ class FluxFamily:
     def block_counts(self, src: "ModelSource") -> list[int]:
         return swap.block_counts(src)
 
-    def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
-        return swap.swap_counts(lengths, cfg, override)
+    def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
+        return swap.swap_counts(lengths, cfg)
+
+    def with_blocks_to_swap(self, cfg: Any, n: int) -> Any:
+        return swap.with_blocks_to_swap(cfg, n)
 
     # -- evaluation -------------------------------------------------------------------------
     def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,

@@ -34,11 +34,11 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
-                   blocks_to_swap: int | None = None, cls: type | None = None) -> "FluxTrainable":
+                   cls: type | None = None) -> "FluxTrainable":
     """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks.
 
     On CUDA the weights are made on the GPU block by block, each block quantized there with
-    ``memory.fp8`` and moved to the host right away if ``blocks_to_swap`` swaps it
+    ``memory.fp8`` and moved to the host right away if ``cfg`` swaps it
     (``diffusers_image.random_on_device``; ``family`` gives the exclusions and the swap split).
     Elsewhere the whole model is made on the host, as before, and quantized and placed later."""
     from diffusers import FluxTransformer2DModel
@@ -50,7 +50,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"{name}.{i}" for name in swap.BLOCK_LISTS for i in range(len(getattr(transformer, name)))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, blocks_to_swap)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
     else:
         transformer = random_init(transformer, dtype)
     if cfg.memory.gradient_checkpointing:

@@ -27,11 +27,16 @@ def block_counts(src: "ModelSource") -> list[int]:
     return [int(c.get("num_layers", 19)), int(c.get("num_single_layers", 38))]
 
 
-def swap_counts(lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
-    """Double and single blocks to swap: ``override`` (kohya's count) when given, else the preset's
-    explicit counts, else its memory.blocks_to_swap (kohya's count)."""
+def with_blocks_to_swap(cfg: Any, n: int) -> Any:
+    """``cfg`` with kohya's count ``n`` as its swap setting, the explicit double/single counts unset."""
+    return cfg.replace(memory={"blocks_to_swap": n}, family={"double_blocks_to_swap": -1, "single_blocks_to_swap": -1})
+
+
+def swap_counts(lengths: list[int], cfg: Any) -> list[int]:
+    """Double and single blocks to swap: the preset's explicit counts, else its memory.blocks_to_swap
+    (kohya's count)."""
     settings = cfg.family
-    if override is None and (settings.double_blocks_to_swap >= 0 or settings.single_blocks_to_swap >= 0):
+    if settings.double_blocks_to_swap >= 0 or settings.single_blocks_to_swap >= 0:
         counts = [max(0, settings.double_blocks_to_swap), max(0, settings.single_blocks_to_swap)]
         section = cfg.model.family  # flux, or a family on its transformer (flux_kontext) with the same keys
         for name, n, size in zip((f"{section}.double_blocks_to_swap", f"{section}.single_blocks_to_swap"), counts,
@@ -39,7 +44,7 @@ def swap_counts(lengths: list[int], cfg: Any, override: int | None = None) -> li
             if n > size:
                 raise ImgloraError(f"{name} = {n}, but the model has only {size} such blocks")
         return counts
-    n = cfg.memory.blocks_to_swap if override is None else override
+    n = cfg.memory.blocks_to_swap
     try:
         return list(kohya_split(n, lengths[0], lengths[1]))
     except ValueError as exc:

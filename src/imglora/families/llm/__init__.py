@@ -109,12 +109,10 @@ class LlmFamily:
         _give_add_adapter(model)
         return LlmTrainable(model)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
-                       blocks_to_swap: int | None = None) -> "LlmTrainable":
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> "LlmTrainable":
         """Qwen2.5-7B-Instruct's architecture with random weights (no download), for benchmarks.
 
-        Always built on the host (``device`` is not used; the LLM has no swappable blocks, so
-        ``blocks_to_swap`` can only be 0): its 4-bit quantization runs on the whole model later."""
+        Always built on the host (``device`` is not used; the LLM has no swappable blocks): its 4-bit quantization runs on the whole model later."""
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 

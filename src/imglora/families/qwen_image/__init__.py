@@ -141,9 +141,8 @@ class QwenImageFamily:
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
         return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude, self.make_trainable)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
-                       blocks_to_swap: int | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap, self.make_trainable)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self, self.make_trainable)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype, self.make_trainable)
@@ -155,8 +154,11 @@ class QwenImageFamily:
     def block_counts(self, src: "ModelSource") -> list[int]:
         return model.block_counts(src.root)
 
-    def swap_counts(self, lengths: list[int], cfg: Any, override: int | None = None) -> list[int]:
-        n = cfg.memory.blocks_to_swap if override is None else override
+    def with_blocks_to_swap(self, cfg: Any, n: int) -> Any:
+        return cfg.replace(memory={"blocks_to_swap": n})  # (Qwen-Image has one count: no per-list keys)
+
+    def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
+        n = cfg.memory.blocks_to_swap
         if n > lengths[0]:
             raise ImgloraError(f"memory.blocks_to_swap = {n}, but Qwen-Image has only {lengths[0]} blocks (it counts "
                                f"blocks one by one); the largest valid number is {lengths[0]}")

@@ -84,7 +84,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
 
 def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
-                   blocks_to_swap: int | None = None, make: Any = None) -> "QwenImageTrainable":
+                   make: Any = None) -> "QwenImageTrainable":
     """The real Qwen-Image transformer architecture (20B) with random weights, for benchmarks (made
     block by block on CUDA: ``diffusers_image.random_on_device``)."""
     from .._shared.diffusers_image import builds_on_device, random_on_device
@@ -93,7 +93,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, blocks_to_swap)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(with_rope_tables(transformer), cfg, None, make)

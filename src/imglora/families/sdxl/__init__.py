@@ -136,9 +136,8 @@ class SdxlFamily:
                                        "text_encoder_2": te2.requires_grad_(False)}
         return trainable
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
-                       blocks_to_swap: int | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, blocks_to_swap)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype)

@@ -72,14 +72,13 @@ def scheduler_overrides(src: "ModelSource", cfg: Any) -> dict[str, Any]:
     return out
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
-                   blocks_to_swap: int | None = None) -> "SdxlTrainable":
+def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None) -> "SdxlTrainable":
     """The real SDXL UNet architecture with random weights (no download), for benchmarks.
 
     On CUDA the weights are made on the GPU one UNet stage at a time (each down block, the mid
     block, each up block), each quantized there with ``memory.fp8``
-    (``diffusers_image.random_on_device``; SDXL has no swappable blocks, so ``blocks_to_swap`` can
-    only be 0). Elsewhere the whole UNet is made on the host, as before."""
+    (``diffusers_image.random_on_device``; SDXL has no swappable blocks, so nothing
+    is swapped). Elsewhere the whole UNet is made on the host, as before."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     from .._shared.diffusers_image import builds_on_device, random_on_device
@@ -90,7 +89,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     if builds_on_device(device):
         parts = ([f"down_blocks.{i}" for i in range(len(unet.down_blocks))] + ["mid_block"]
                  + [f"up_blocks.{i}" for i in range(len(unet.up_blocks))])
-        unet, facts = random_on_device(family, unet, cfg, dtype, device, parts, blocks_to_swap)
+        unet, facts = random_on_device(family, unet, cfg, dtype, device, parts)
     else:
         unet = random_init(unet, dtype)
     if cfg.memory.gradient_checkpointing:
