@@ -95,35 +95,41 @@ def process_matches(info: dict) -> str | None:
     (``create_time``; an older lock without it: not after the lock was written), so a pid reused by
     another process is not taken for the run; and its command line is ``imglora <command>`` as the
     lock records it (``python -m imglora train ...`` or the ``imglora`` script)."""
+    return _why_not(info)[0]
+
+
+def _why_not(info: dict) -> tuple[str | None, bool]:
+    """``process_matches``' answer, and whether it is certain that the process is not the run (False
+    where it may be: a lock without a host or of another host, a process that cannot be inspected)."""
     import psutil
 
     pid, host, here = info.get("pid"), info.get("host"), socket.gethostname()
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return f"the lock names no process id (pid {pid!r})"
+        return f"the lock names no process id (pid {pid!r})", True
     if not host:
-        return f"the lock names no host, so pid {pid} may be another machine's"
+        return f"the lock names no host, so pid {pid} may be another machine's", False
     if host != here:
-        return f"the lock was written on host {host!r}, not on this one ({here!r}): pid {pid} is a process there"
+        return f"the lock was written on host {host!r}, not on this one ({here!r}): pid {pid} is a process there", False
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
             status, started, argv = proc.status(), proc.create_time(), proc.cmdline()
     except psutil.ZombieProcess:
-        return f"pid {pid} has exited (a zombie: a stale lock)"
+        return f"pid {pid} has exited (a zombie: a stale lock)", True
     except psutil.NoSuchProcess:
-        return f"pid {pid} is not running (a stale lock: its process has ended)"
+        return f"pid {pid} is not running (a stale lock: its process has ended)", True
     except psutil.AccessDenied:
-        return f"pid {pid} cannot be inspected (access denied), so it cannot be told to be the run"
+        return f"pid {pid} cannot be inspected (access denied), so it cannot be told to be the run", False
     if status == psutil.STATUS_ZOMBIE:
-        return f"pid {pid} has exited (a zombie: a stale lock)"
+        return f"pid {pid} has exited (a zombie: a stale lock)", True
     when = info.get("create_time")
     if isinstance(when, (int, float)) and not isinstance(when, bool):
         if abs(started - when) > 1.0:
             return (f"pid {pid} was started at {_clock(started)}, but the lock's process was started at "
-                    f"{_clock(when)}: another process has that pid now")
+                    f"{_clock(when)}: another process has that pid now"), True
     elif isinstance(info.get("time"), (int, float)) and started > info["time"] + 1.0:
         return (f"pid {pid} was started at {_clock(started)}, after the lock was written ({_clock(info['time'])}): "
-                "another process has that pid now")
+                "another process has that pid now"), True
     try:
         words = shlex.split(str(info.get("command") or ""))
     except ValueError:
@@ -135,10 +141,10 @@ def process_matches(info: dict) -> str | None:
         if is_imglora:
             rest = argv[i + (2 if arg == "-m" else 1):]
             if sub is None or (rest and rest[0] == sub):
-                return None
+                return None, True
             break
     return (f"pid {pid} runs {' '.join(argv)[:200]!r}, not the lock's {info.get('command')!r}: another process "
-            "has that pid now")
+            "has that pid now"), True
 
 
 def _clock(t: float) -> str:
@@ -147,31 +153,10 @@ def _clock(t: float) -> str:
 
 def holder_gone(info: dict) -> str | None:
     """Why the process a lock names is surely not running that lock's run (a stale lock to take over),
-    or None when it may be: by ``process_matches`` where psutil is installed (a pid reused by another
-    process is not the run), else by whether the pid exists. A lock of another host, or a process that
-    cannot be inspected, may be live: it is never taken over from here."""
-    pid = info.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return f"the lock names no process id (pid {pid!r})"
-    if info.get("host") != socket.gethostname():
-        return None
-    try:
-        import psutil
-    except ImportError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return f"pid {pid} is not running (a stale lock: its process has ended)"
-        except PermissionError:
-            return None
-        return None
-    try:
-        psutil.Process(pid).status()
-    except psutil.AccessDenied:
-        return None
-    except psutil.Error:
-        pass  # gone: process_matches says so
-    return process_matches(info)
+    by ``process_matches``' rule (a pid reused by another process is not the run), or None when it
+    may be: a lock of another host, or a process that cannot be inspected, is never taken over."""
+    reason, certain = _why_not(info)
+    return reason if certain else None
 
 
 @contextmanager
