@@ -250,3 +250,25 @@ def test_the_core_reads_only_family_attributes_a_protocol_or_options_declares() 
     planted = 'def f(family):\n    return getattr(family, "secret_knob", 0), family.other, hasattr(fam, "x")\n'
     assert undeclared_family_reads(planted, declared) == [
         "2: getattr(family, 'secret_knob')", "2: family.other", "2: hasattr(fam, 'x')"]
+
+
+def test_only_an_adapter_types_own_file_names_it() -> None:
+    """An adapter type touches one file, ``adapters/<type>.py``: no other module compares a value with
+    its name (the config schema's torch-free list of names excepted, which must equal the registry).
+    "lora" is left out: it is also the [lora] section's name."""
+    import typing
+
+    from imglora.adapters import KINDS
+    from imglora.config.schema import AdapterType
+
+    assert typing.get_args(AdapterType) == tuple(KINDS), "config.schema.AdapterType must list imglora.adapters.KINDS"
+    names = set(KINDS) - {"lora"}
+    allowed = {f"imglora.adapters.{n}" for n in KINDS} | {"imglora.config.schema"}
+    found = []
+    for name, path in modules().items():
+        if name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value!r}")
+    assert not found, "adapter types named outside their own file:\n" + "\n".join(found)

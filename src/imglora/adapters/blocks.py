@@ -70,8 +70,6 @@ def check(cfg: Any, family: Any, where: Any, problems: list[str]) -> None:
                         "lora.block_alphas": "a number from 0 to 65536",
                         "lora.block_lr": "a multiplier above 0 and up to 1000 (leave a block out with lora.blocks)"}
                 problems.append(f"{where(key)}: {s!r} = {v!r}; expected {what[key]}")
-    if lo.block_ranks and lo.type == "lokr":
-        problems.append(f"{where('lora.block_ranks')}: LoKr's rank is of its factors; set lora.rank for every block")
 
 
 def prefixes(model: nn.Module, family: Any, selector: str) -> list[str]:

@@ -3,10 +3,11 @@
 peft rather than the LyCORIS package: peft is already how the trainer injects, saves, resumes and
 scales LoRA, and it has all four types behind the same calls (``add_adapter``, its state dict,
 ``set_scale``), so each type trains, checkpoints and resumes through the code LoRA uses.
-ComfyUI's loader needs three conversions of peft's tensors (``adapter_forms``: LoKr's alpha
+ComfyUI's loader needs a few conversions of peft's tensors (each type's file: LoKr's alpha
 folded when both factors are full, LoKr's CP form written flat, DoRA's magnitude compensated for
-ComfyUI's normalisation), far less code than a second injection library with its own saving,
-fp8 and block-swap interplay.
+ComfyUI's normalisation, OFT's rotation moved to the output side), far less code than a second
+injection library with its own saving, fp8 and block-swap interplay. Nothing here names a type:
+each type's peft config and its hooks are in ``adapters/<type>.py`` (``KINDS``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import forms as adapter_forms, blocks as lora_blocks
+from . import KINDS, blocks as lora_blocks
+from .forms import ADAPTER_PREFIXES
+from .kind import conv_settings
 from ..errors import ConfigError
 from ..family import option
 
@@ -36,9 +39,6 @@ def target_pattern(family: "Family", targets: list[str]) -> str | list[str]:
     return rf"{family.lora_scope}({alternatives})"
 
 
-ADAPTER_PREFIXES = adapter_forms.ADAPTER_PREFIXES  # peft's adapter tensors: LoRA/DoRA, LoHa, LoKr
-
-
 def is_adapter_parameter(name: str) -> bool:
     """Whether a parameter name (``...to_q.lora_A.default.weight``, ``...hada_w1_a.default``) is an adapter's."""
     return any(part.startswith(ADAPTER_PREFIXES) for part in name.split("."))
@@ -53,23 +53,9 @@ def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | N
     peft's ``rank_pattern`` / ``alpha_pattern`` (one exact, escaped module name each). ``targets``:
     peft target_modules other than the family's (e.g. a text encoder's).
     """
-    from peft import LoHaConfig, LoKrConfig, LoraConfig
-
     s = settings
     targets = target_pattern(family, s.targets) if targets is None else targets
-    if s.type in ("lora", "dora"):
-        config = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
-                            init_lora_weights=True, use_dora=s.type == "dora")
-    elif s.type == "oft":
-        from peft import OFTConfig
-
-        config = OFTConfig(r=0, oft_block_size=s.rank, target_modules=targets, init_weights=True, coft=False,
-                           block_share=False, use_cayley_neumann=False)
-    else:
-        common = dict(r=s.rank, alpha=s.alpha, rank_dropout=s.rank_dropout, module_dropout=s.module_dropout,
-                      use_effective_conv2d=s.effective_conv2d, target_modules=targets, init_weights=True)
-        config = (LoHaConfig(**common) if s.type == "loha" else
-                  LoKrConfig(**common, decompose_both=s.decompose_both, decompose_factor=s.factor))
+    config = KINDS[s.type].peft_config(s, targets)
     if model is not None and option(family, "unused_outputs") is not None:
         # Layers whose output the model throws away (Qwen-Image's last block's text stream) would
         # get no gradient: an adapter there only costs memory and exports zero deltas.
@@ -97,13 +83,6 @@ def peft_config(family: "Family", settings: "LoraSettings", model: nn.Module | N
     return config
 
 
-def conv_settings(s: "LoraSettings") -> tuple[int, float]:
-    """(rank, alpha) of the adapted Conv2d layers: lora.conv_rank / conv_alpha, where 0 means as
-    lora.rank, and as lora.alpha when conv layers keep lora.rank (else conv_rank: scale 1)."""
-    rank = s.conv_rank or s.rank
-    return rank, s.conv_alpha or (float(s.conv_rank) if s.conv_rank else s.alpha)
-
-
 def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: int,
            targets: str | list[str] | None = None) -> Any:
     """Add an adapter of ``lora.type`` to ``model`` (base weights frozen) and return its peft config.
@@ -115,33 +94,15 @@ def inject(model: nn.Module, family: "Family", settings: "LoraSettings", seed: i
 
     model.requires_grad_(False)
     config = peft_config(family, settings, model, targets)
-    if settings.type == "oft":
-        _check_oft_blocks(model, config, settings.rank)
+    KINDS[settings.type].before_inject(model, config, settings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config)
     if not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
         raise ConfigError([f"lora.targets = {list(settings.targets) or list(family.lora_targets)} matched no "
                            f"module of the {family.name} model; check the names (see the family's defaults)"])
-    if settings.type == "oft":
-        from . import oft
-
-        oft.convert(model, config)
+    KINDS[settings.type].after_inject(model, config)
     return config
-
-
-def _check_oft_blocks(model: nn.Module, config: Any, block: int) -> None:
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    from . import oft
-
-    adapted = [name for name, m in model.named_modules()
-               if check_target_module_exists(config, name) and getattr(m, "weight", None) is not None]
-    bad = oft.block_problems(model, adapted, block)
-    if bad:
-        raise ConfigError([f"lora.rank = {block}: OFT's block size must divide every adapted layer's output features, "
-                           f"and {len(bad)} do not: {', '.join(bad[:3])}; choose a divisor (e.g. 32 or 64 for "
-                           "widths that are multiples of them)"])
 
 
 def inject_text_encoders(encoders: dict[str, nn.Module], family: Any, settings: "LoraSettings",
@@ -243,17 +204,12 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
 def set_strength(model: nn.Module, strength: float) -> None:
     """Scale every LoRA layer's update by ``strength``; 0 disables the adapter, so each layer runs
     its base layer alone and the output is the base model's exactly."""
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.lycoris_utils import LycorisLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
-
-    from .oft import OutputRotation
 
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):
             m.enable_adapters(strength != 0)
-        if isinstance(m, (LoraLayer, LycorisLayer)) and strength != 0:
-            for name in list(m.scaling):
-                m.set_scale(name, strength)
-        if isinstance(m, OutputRotation) and strength != 0:
-            m.oft_strength = strength  # as ComfyUI: W + s²(R − I)W
+            if strength != 0:
+                kind = next((k for k in KINDS.values() if k.owns(m)), None)
+                if kind is not None:
+                    kind.set_strength(m, strength)

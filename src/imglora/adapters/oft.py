@@ -21,10 +21,17 @@ Strength: ComfyUI patches ``W + s²(R'ᵀ − I)W`` at LoRA strength ``s`` (it s
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from ..errors import ConfigError, ImgloraError
+from .kind import Kind, Module, fail, need
+
+if TYPE_CHECKING:
+    from ..config import LoraConfig
 
 ROTATION = "oft_R"  # peft's rotation module (its parameter: oft_R.<adapter>.weight)
 
@@ -184,3 +191,85 @@ def delta(vec: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     r = torch.linalg.solve(eye + q, eye - q, left=False)
     blocks = weight.float().unflatten(0, (r.shape[0], b))
     return torch.einsum("knc,kn...->kc...", r, blocks).flatten(0, 1) - weight.float()
+
+
+# -- the kind ----------------------------------------------------------------------------------------
+
+
+class Oft(Kind):
+    name, label, peft_type, prefix = "oft", "OFT", "OFT", "oft_"
+    suffixes = ("oft_R.weight",)  # peft's rotation, applied to the layer's output
+    needs_base_weight = False     # its delta needs the weight; its ComfyUI form does not
+
+    def peft_config(self, s: "LoraConfig", targets: str | list[str]) -> Any:
+        from peft import OFTConfig
+
+        return OFTConfig(r=0, oft_block_size=s.rank, target_modules=targets, init_weights=True, coft=False,
+                         block_share=False, use_cayley_neumann=False)
+
+    def before_inject(self, model: nn.Module, config: Any, s: "LoraConfig") -> None:
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        adapted = [name for name, m in model.named_modules()
+                   if check_target_module_exists(config, name) and getattr(m, "weight", None) is not None]
+        bad = block_problems(model, adapted, s.rank)
+        if bad:
+            raise ConfigError([f"lora.rank = {s.rank}: OFT's block size must divide every adapted layer's output "
+                               f"features, and {len(bad)} do not: {', '.join(bad[:3])}; choose a divisor (e.g. 32 "
+                               "or 64 for widths that are multiples of them)"])
+
+    def after_inject(self, model: nn.Module, config: Any) -> None:
+        convert(model, config)
+
+    def set_strength(self, layer: nn.Module, strength: float) -> None:
+        if isinstance(layer, OutputRotation):
+            layer.oft_strength = strength  # as ComfyUI: W + s²(R − I)W
+
+    def refused(self, lo: "LoraConfig") -> tuple[dict[str, Any], str]:
+        out: dict[str, Any] = {}
+        if lo.alpha and lo.alpha != lo.rank:
+            out["alpha"] = float(lo.rank)
+        unset = {"block_ranks": {}, "block_alphas": {}, "conv_rank": 0, "conv_alpha": 0.0, "text_encoder": False}
+        out |= {k: v for k, v in unset.items() if getattr(lo, k)}
+        return out, ("has no meaning for lora.type = \"oft\" (an orthogonal rotation per block of lora.rank "
+                     "outputs, unscaled)")
+
+    def problems(self, lo: "LoraConfig", where: Any) -> list[str]:
+        if lo.rank < 2:
+            return [f"{where('lora.rank')}: OFT's block size must be at least 2, got {lo.rank}"]
+        return []
+
+    def check(self, m: Module) -> None:
+        need(m, "oft_R.weight")
+        vec = m.tensors["oft_R.weight"]
+        try:
+            b = block_size(vec)
+        except ValueError as exc:
+            fail(m, str(exc))
+        if b != m.rank:
+            fail(m, f"block size {m.rank} given, the rotation's blocks are {b} wide")
+        if m.shape is not None and vec.shape[0] * b != m.shape[0]:
+            fail(m, f"{vec.shape[0]} blocks of {b} rotate {vec.shape[0] * b} outputs, the base weight has {m.shape[0]}")
+
+    def delta(self, m: Module, base_weight: Tensor | None) -> Tensor:
+        """A rotation of the weight's rows: it depends on the weight."""
+        if base_weight is None:
+            raise ImgloraError(f"{m.name}: an OFT delta depends on the base weight; pass base_weight")
+        return delta(m.tensors["oft_R.weight"], base_weight)
+
+    def comfy_tensors(self, m: Module, base_weight: Tensor | None) -> dict[str, Tensor]:
+        """ComfyUI's OFTAdapter: ``oft_blocks``, no alpha (it would be a norm constraint)."""
+        if base_weight is not None and m.tensors["oft_R.weight"].shape[0] * m.rank != base_weight.shape[0]:
+            fail(m, f"the rotation's blocks do not cover the base weight's {base_weight.shape[0]} outputs")
+        return {"oft_blocks": comfy_blocks(m.tensors["oft_R.weight"])}
+
+    def metadata(self, lo: "LoraConfig") -> dict[str, Any]:
+        # LyCORIS' diagonal OFT (its dim: the block size), what ComfyUI's OFT loader reads
+        return {"ss_network_module": "lycoris.kohya",
+                "ss_network_args": json.dumps({"algo": "diag-oft", "block_size": str(lo.rank), "constraint": "0"})}
+
+    def module_settings(self, meta: Any, module: str) -> tuple[float, int, bool]:
+        return 0.0, int(meta["oft_block_size"]), False  # a rotation per block of outputs: no alpha, no patterns
+
+
+OFT = Oft()

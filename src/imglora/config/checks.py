@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from . import offer as offers
-from .schema import BudgetConfig, Config, DataConfig, LoraConfig
+from .schema import BudgetConfig, Config, DataConfig
 
 Where = Callable[[str], str]
 
@@ -171,44 +171,11 @@ def _name_checks(cfg: Config, where: Where, problems: list[str]) -> None:
                         "the folder with export.comfyui_dir or `imglora export --out`)")
 
 
-_ONLY = {"dropout": ("lora", "dora"), "rank_dropout": ("loha", "lokr"), "module_dropout": ("loha", "lokr"),
-         "effective_conv2d": ("loha", "lokr"), "factor": ("lokr",), "decompose_both": ("lokr",),
-         "loraplus_lr_ratio": ("lora", "dora")}
-_UNSET = {"dropout": 0.0, "rank_dropout": 0.0, "module_dropout": 0.0, "effective_conv2d": False, "factor": -1,
-          "decompose_both": False, "loraplus_lr_ratio": 0.0}
-_HINT = {"dropout": " (LoHa/LoKr: lora.rank_dropout, lora.module_dropout)",
-         "rank_dropout": " (LoRA/DoRA: lora.dropout)", "module_dropout": " (LoRA/DoRA: lora.dropout)"}
-_OFT_UNSET = {"block_ranks": {}, "block_alphas": {}, "conv_rank": 0, "conv_alpha": 0.0, "text_encoder": False}
-
-
-def meaningless_lora_keys(lo: LoraConfig) -> dict[str, tuple[Any, str]]:
-    """The [lora] keys set to a value that means nothing for ``lo.type``: each with the value that
-    unsets it and why. The checks refuse such a key set in the preset itself or by ``--set``; the
-    loader drops one inherited from a parent preset (``extends``), with a note."""
-    kind, out = lo.type, {}
-    for key, kinds in _ONLY.items():
-        if kind not in kinds and getattr(lo, key) != _UNSET[key]:
-            out[key] = (_UNSET[key], f"applies to lora.type = {' or '.join(map(repr, kinds))} only, and lora.type = "
-                                     f"{kind!r}{_HINT.get(key, '')}")
-    if kind == "oft":  # one rotation per block of outputs: no alpha, no per-block or conv ranks, no text encoders
-        why = "has no meaning for lora.type = \"oft\" (an orthogonal rotation per block of lora.rank outputs, unscaled)"
-        if lo.alpha and lo.alpha != lo.rank:
-            out["alpha"] = (float(lo.rank), why)
-        for key, unset in _OFT_UNSET.items():
-            if getattr(lo, key):
-                out[key] = (dict(unset) if isinstance(unset, dict) else unset, why)
-    return out
-
-
 def _adapter_checks(cfg: Config, where: Where, problems: list[str]) -> None:
-    """Each [lora] key belongs to some adapter types; one set for another type is an error, not ignored."""
-    lo = cfg.lora
-    for key, (_, why) in meaningless_lora_keys(lo).items():
-        problems.append(f"{where(f'lora.{key}')}: {why}; remove it")
-    if lo.factor == 0:
+    """The [lora] checks every adapter type shares; which key belongs to which type, and each type's
+    own rules, are the adapter types' (``imglora.adapters``, through the catalog's ``check``)."""
+    if cfg.lora.factor == 0:
         problems.append(f"{where('lora.factor')}: must be -1 (automatic) or a positive divisor, got 0")
-    if lo.type == "oft" and lo.rank < 2:
-        problems.append(f"{where('lora.rank')}: OFT's block size must be at least 2, got {lo.rank}")
 
 
 def set_key(data: DataConfig, index: int, key: str) -> str:

@@ -33,7 +33,6 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from ..errors import ConfigError
 from .checks import cross_checks
-from .checks import meaningless_lora_keys
 from .checks import notes as config_notes
 from .keys import list_item_class
 from .schema import REQUIRED, SCHEMA_VERSION, SECTIONS, Config
@@ -42,13 +41,17 @@ Where = Callable[[str], str]
 
 
 class FamilyCatalog(Protocol):
-    """What the loader needs to know about model families (implemented by ``families.registry``)."""
+    """What the loader needs to know about the installed model families and adapter types
+    (implemented by ``families.registry``)."""
 
     def names(self) -> tuple[str, ...]: ...
 
     def section(self, name: str) -> type | None: ...  # the dataclass of the family's own [name] section
 
-    def check(self, cfg: Config, where: Where, problems: list[str]) -> None: ...  # family cross-field checks
+    def check(self, cfg: Config, where: Where, problems: list[str]) -> None: ...  # family and adapter checks
+
+    # The [lora] keys set to a value that means nothing for lora.type: {key: (the value that unsets it, why)}
+    def meaningless_lora_keys(self, lo: Any) -> dict[str, tuple[Any, str]]: ...
 
 
 TOP_LEVEL = ("version", "extends", *SECTIONS)
@@ -313,7 +316,7 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
         sections["run"] = dataclasses.replace(sections["run"], name=default_name)
     if sections["lora"].alpha == 0:
         sections["lora"] = dataclasses.replace(sections["lora"], alpha=float(sections["lora"].rank))
-    _drop_inherited_lora_keys(sections, origin, source, notes)
+    _drop_inherited_lora_keys(sections, origin, source, notes, families)
     cfg = Config(version=raw.get("version", SCHEMA_VERSION), source=source, family=family_section,
                  notes=tuple(notes), **sections)
     cross_checks(cfg, where, problems)
@@ -321,14 +324,15 @@ def _build(raw: dict[str, Any], origin: dict[str, str], problems: list[str], def
     return dataclasses.replace(cfg, notes=(*cfg.notes, *config_notes(cfg, where)))
 
 
-def _drop_inherited_lora_keys(sections: dict[str, Any], origin: dict[str, str], source: str, notes: list[str]) -> None:
+def _drop_inherited_lora_keys(sections: dict[str, Any], origin: dict[str, str], source: str, notes: list[str],
+                              families: FamilyCatalog) -> None:
     """A [lora] key that means nothing for the chosen lora.type and was set by a parent preset (which
     the user cannot unset with --set: ``--set lora.type="oft"`` on a preset extending one with
     ``alpha``) is dropped with a note; one set in the preset itself or by --set stays, and is an error."""
     lo = sections["lora"]
     own = {str(Path(source)), "--set"}
     drop = {}
-    for key, (unset, why) in meaningless_lora_keys(lo).items():
+    for key, (unset, why) in families.meaningless_lora_keys(lo).items():
         src = _origin_of(origin, f"lora.{key}")
         if src and src.partition(" (")[0] not in own:
             drop[key] = unset

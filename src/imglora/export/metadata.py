@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters.inject import conv_settings
+from ..adapters import KINDS
 from ..util.version import __version__
 
 if TYPE_CHECKING:
@@ -110,19 +110,7 @@ def adapter_type_metadata(cfg: "Config", kinds: list[str]) -> dict[str, Any]:
     """What kohya and LyCORIS write for the adapter type: LoHa/LoKr are ``lycoris.kohya`` networks
     with their ``algo``; DoRA is kohya's ``dora_wd``."""
     lo, kind = cfg.lora, kinds[0] if len(kinds) == 1 else cfg.lora.type
-    out: dict[str, Any] = {"imglora.adapter_type": kind}
-    if kind in ("loha", "lokr"):
-        conv_rank, conv_alpha = conv_settings(lo)
-        args = {"algo": kind, "conv_dim": str(conv_rank), "conv_alpha": f"{conv_alpha:g}",
-                "use_tucker": str(lo.effective_conv2d)}
-        if kind == "lokr":
-            args |= {"factor": str(lo.factor), "decompose_both": str(lo.decompose_both)}
-        out |= {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args)}
-    elif kind == "dora":
-        out["ss_network_args"] = json.dumps({"dora_wd": "True"})
-    elif kind == "oft":  # LyCORIS' diagonal OFT (its dim: the block size), what ComfyUI's OFT loader reads
-        out |= {"ss_network_module": "lycoris.kohya",
-                "ss_network_args": json.dumps({"algo": "diag-oft", "block_size": str(lo.rank), "constraint": "0"})}
+    out: dict[str, Any] = {"imglora.adapter_type": kind, **KINDS[kind].metadata(lo)}
     if lo.loraplus_lr_ratio:  # as kohya records it (a training setting: the file's tensors are the same)
         args = json.loads(out.get("ss_network_args", "{}"))
         out["ss_network_args"] = json.dumps({**args, "loraplus_lr_ratio": f"{lo.loraplus_lr_ratio:g}"})

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters import forms as af
+from ..adapters import KINDS, forms as af
 from ..util import atomic
 from ..models import comfyui as comfy
 from . import workflows
@@ -284,30 +284,18 @@ def module_settings(meta: dict[str, Any], module: str, cfg: "Config") -> tuple[s
         return lo.type, float(lo.alpha or lo.rank), int(lo.rank), False
     if meta.get("lora_bias"):
         raise ImgloraError("LoRA biases (peft lora_bias) have no ComfyUI form")
-    peft_type = str(meta.get("peft_type", "LORA")).upper()
-    kind = {"LORA": "dora" if meta.get("use_dora") else "lora", "LOHA": "loha", "LOKR": "lokr",
-            "OFT": "oft"}.get(peft_type)
+    kind = next((k for k in KINDS.values() if k.is_peft_config(meta)), None)
     if kind is None:
-        raise ImgloraError(f"peft adapter type {peft_type} cannot be exported (lora, dora, loha, lokr, oft can)")
-    if kind == "oft":  # a rotation per block of oft_block_size outputs: no alpha, no patterns
-        return kind, 0.0, int(meta["oft_block_size"]), False
-    from peft.utils.other import get_pattern_key
-
-    alpha = float(meta["lora_alpha"] if kind in ("lora", "dora") else meta["alpha"])
-    rank = int(meta["r"])
-    ranks, alphas = meta.get("rank_pattern") or {}, meta.get("alpha_pattern") or {}
-    if ranks and (key := get_pattern_key(ranks.keys(), module)) in ranks:
-        rank = int(ranks[key])
-    if alphas and (key := get_pattern_key(alphas.keys(), module)) in alphas:
-        alpha = float(alphas[key])
-    return kind, alpha, rank, bool(meta.get("use_rslora"))
+        raise ImgloraError(f"peft adapter type {str(meta.get('peft_type', 'LORA')).upper()} cannot be exported "
+                           f"({', '.join(KINDS)} can)")
+    return (kind.name, *kind.module_settings(meta, module))
 
 
 def base_weights(family: "Exportable", cfg: "Config", modules: dict[str, af.Module]) -> dict[str, torch.Tensor]:
     """The base model's weights (fp32) of the modules whose ComfyUI form depends on them (DoRA:
     ComfyUI normalises by the original weight's row norm, so ``dora_scale`` is computed against
     it), read from the files the run trained on; {} when no module needs one."""
-    names = [name for name, m in modules.items() if m.kind == "dora"]
+    names = [name for name, m in modules.items() if KINDS[m.kind].needs_base_weight]
     if not names:
         return {}
     from ..models.resolve import resolve_model

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .. import adapters
 from ..adapters import blocks as lora_blocks
 from ..family import CacheEncoder, EditPairs, Family, Swappable, TextEncoderTraining, option, supports
 from .chroma import ChromaFamily
@@ -90,8 +91,12 @@ class Registry:
             able = [n for n in FAMILIES if option(FAMILIES[n], "compile_blocks")]
             problems.append(f"{where('memory.compile')}: compiled blocks are implemented for {_the(able)}; set it "
                             f"to \"none\" for {name}")
+        problems.extend(adapters.config_problems(cfg.lora, where))
         lora_blocks.check(cfg, family, where, problems)
         family.check_config(cfg, where, problems)
+
+    def meaningless_lora_keys(self, lo: Any) -> dict[str, tuple[Any, str]]:
+        return adapters.meaningless_keys(lo)
 
 
 registry = Registry()

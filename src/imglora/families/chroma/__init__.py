@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...adapters import KINDS
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
 from ..flux import FluxFamily
@@ -44,7 +45,7 @@ class ChromaFamily:
     lora_blocks = FluxFamily.lora_blocks
     quantize_exclude = ("x_embedder", "context_embedder", "distilled_guidance_layer*", "proj_out")
     quantizations: tuple[str, ...] = ()
-    adapter_types = ("lora", "dora", "loha", "lokr", "oft")
+    adapter_types = tuple(KINDS)
     swappable_blocks = swap.BLOCK_LISTS
     compile_blocks = ("ChromaTransformerBlock", "ChromaSingleTransformerBlock")
     streams_blocks = True  # the transformer is read block by block (_shared.stream): plan's host-RAM term

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...adapters import KINDS
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
 from . import comfyui, keys, model, singlefile, swap, tiny
@@ -53,7 +54,7 @@ class FluxFamily:
     lora_blocks = {"double": "transformer_blocks", "single": "single_transformer_blocks"}  # lora.blocks' kinds
     quantize_exclude = ("x_embedder", "context_embedder", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
-    adapter_types = ("lora", "dora", "loha", "lokr", "oft")  # all on fp8 bases too (DoRA norms the dequantized weight)
+    adapter_types = tuple(KINDS)  # all on fp8 bases too (DoRA norms the dequantized weight)
     swappable_blocks = swap.BLOCK_LISTS
     compile_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # memory.compile = "blocks"
     streams_blocks = True  # the transformer is read block by block (_shared.stream): plan's host-RAM term

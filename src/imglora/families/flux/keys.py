@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...errors import ImgloraError
+from ...adapters import KINDS
 from ...adapters.forms import Module, comfy_tensors
 from ...export.writer import LoraModule, add_unique, alpha_tensor, fuse, kohya_name, kohya_tensors
 from .._shared.diffusers_image import clip_path
@@ -26,7 +27,7 @@ FORMATS = ("default", "kohya")  # default: the diffusers form
 # The adapter types each form can hold: kohya fuses q, k and v (and the single blocks' MLP input) into
 # one low-rank pair per BFL weight, which only plain LoRA factors into; the default form keeps every
 # module, so every type. The config refuses another pairing before training (FluxFamily.check_config).
-FORM_TYPES = {"default": ("lora", "dora", "loha", "lokr", "oft"), "kohya": ("lora",)}
+FORM_TYPES = {"default": tuple(KINDS), "kohya": ("lora",)}
 KOHYA_FUSES = ("kohya fuses q, k and v (and the single blocks' MLP input) into one LoRA per FLUX.1 weight, which "
                "only plain LoRA can be")
 TEXT_PREFIX = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te3"}

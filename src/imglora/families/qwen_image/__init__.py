@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...adapters import KINDS
 from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
@@ -57,7 +58,7 @@ class QwenImageFamily:
     # per block), and musubi-tuner and ai-toolkit quantize them too.
     quantize_exclude = ("img_in", "txt_in", "txt_norm", "time_text_embed*", "norm_out*", "proj_out")
     quantizations: tuple[str, ...] = ()
-    adapter_types = ("lora", "dora", "loha", "lokr", "oft")
+    adapter_types = tuple(KINDS)
     swappable_blocks = ("transformer_blocks",)
     compile_blocks = ("QwenImageTransformerBlock",)  # memory.compile = "blocks"
     streams_blocks = True  # the transformer is read block by block (_shared.stream): plan's host-RAM term

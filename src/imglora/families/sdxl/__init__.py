@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...adapters import KINDS
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
 from . import comfyui, keys, model, singlefile, tiny
@@ -39,7 +40,7 @@ class SdxlFamily:
     quantize_exclude = ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
     compile_blocks = ("BasicTransformerBlock", "ResnetBlock2D")  # memory.compile = "blocks": the UNet's repeated blocks
     quantizations: tuple[str, ...] = ()
-    adapter_types = ("lora", "dora", "loha", "lokr", "oft")  # all on fp8 bases too (DoRA norms the dequantized weight)
+    adapter_types = tuple(KINDS)  # all on fp8 bases too (DoRA norms the dequantized weight)
     export_formats = keys.FORMATS
     # lora.text_encoder: both CLIP encoders get the adapter on their attention and MLP projections (the
     # layers ComfyUI's lora_te1_/lora_te2_ names map); they give every text output, so none is cached.
