@@ -3,7 +3,7 @@
 
 Read from Comfy-Org/ComfyUI (nodes.py, comfy/samplers.py, comfy_extras/nodes_sd3.py,
 nodes_flux.py, nodes_edit_model.py, nodes_model_advanced.py, nodes_post_processing.py,
-nodes_qwen.py). What ``validate_prompt`` / ``validate_inputs`` check, and this does too: every
+nodes_qwen.py, the Z-Image template's ConditioningZeroOut). What ``validate_prompt`` / ``validate_inputs`` check, and this does too: every
 node's class exists; every required input is given; a link names an existing node and one of its
 outputs, whose type is the input's; an INT or FLOAT value converts and lies within min/max; a
 combo's value is one of its options (options that list the files of the user's model folders are
@@ -66,6 +66,7 @@ NODES: dict[str, tuple[dict[str, Any], dict[str, Any], list[str], bool]] = {
     "FluxGuidance": ({"conditioning": "CONDITIONING", "guidance": _float(0.0, 100.0)}, {}, ["CONDITIONING"], False),
     "FluxKontextImageScale": ({"image": "IMAGE"}, {}, ["IMAGE"], False),
     "ReferenceLatent": ({"conditioning": "CONDITIONING"}, {"latent": "LATENT"}, ["CONDITIONING"], False),
+    "ConditioningZeroOut": ({"conditioning": "CONDITIONING"}, {}, ["CONDITIONING"], False),
     "ModelSamplingAuraFlow": ({"model": "MODEL", "shift": _float(0.0, 100.0)}, {}, ["MODEL"], False),
     "ImageScaleToTotalPixels": ({"image": "IMAGE", "upscale_method": ["nearest-exact", "bilinear", "area", "bicubic",
                                                                       "lanczos"], "megapixels": _float(0.01, 16.0)},

@@ -165,7 +165,8 @@ HUB_PRESETS = {"flux.toml": "black-forest-labs/FLUX.1-dev", "flux-kontext.toml":
                "qwen-image-edit.toml": "Qwen/Qwen-Image-Edit", "qwen-image-edit-plus.toml": "Qwen/Qwen-Image-Edit-2509",
                "sdxl.toml": "stabilityai/stable-diffusion-xl-base-1.0",
                "sdxl-datasets.toml": "stabilityai/stable-diffusion-xl-base-1.0",
-               "sdxl-prodigy.toml": "stabilityai/stable-diffusion-xl-base-1.0", "qlora-llm.toml": "Qwen/Qwen2.5-7B-Instruct"}
+               "sdxl-prodigy.toml": "stabilityai/stable-diffusion-xl-base-1.0", "qlora-llm.toml": "Qwen/Qwen2.5-7B-Instruct",
+               "z-image.toml": "Tongyi-MAI/Z-Image-Turbo"}
 
 
 def test_every_shipped_preset_is_covered() -> None:

@@ -22,11 +22,12 @@ from .llm import LlmFamily
 from .qwen_image import QwenImageFamily
 from .qwen_image_edit import QwenImageEditFamily, QwenImageEditPlusFamily
 from .sdxl import SdxlFamily
+from .z_image import ZImageFamily
 
 FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
                              "chroma": ChromaFamily, "qwen_image": QwenImageFamily,
                              "qwen_image_edit": QwenImageEditFamily, "qwen_image_edit_plus": QwenImageEditPlusFamily,
-                             "llm": LlmFamily}
+                             "z_image": ZImageFamily, "llm": LlmFamily}
 
 
 class Registry:

@@ -481,3 +481,37 @@ def write_qwen_image_vae(diffusers_dir: Path, out_file: Path) -> Path:
     """qwen_image_vae.safetensors: the VAE in Wan 2.1's original layout."""
     sd, config = _component(diffusers_dir, "vae")
     return _save({qwen_vae_to_wan(k, config["num_res_blocks"]): v for k, v in sd.items()}, out_file)
+
+
+# Z-Image's original layout (Tongyi-MAI's, as Comfy-Org's z_image_turbo_bf16.safetensors has it;
+# diffusers' convert_z_image_transformer_checkpoint_to_diffusers reads it): q, k and v fused into
+# attention.qkv, attention.out, q_norm/k_norm, x_embedder and final_layer for the 2x2 patch entries.
+_Z_IMAGE_TO_ORIGINAL = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
+                        (".attention.to_out.0.", ".attention.out."), (".attention.norm_k.", ".attention.k_norm."),
+                        (".attention.norm_q.", ".attention.q_norm."))
+
+
+def write_z_image_transformer(diffusers_dir: Path, out_file: Path, *, prefix: str = "", fp8: bool = False) -> Path:
+    """z_image_turbo_bf16.safetensors (here: the tiny model's float32; ``fp8``: every tensor float8_e4m3fn)."""
+    sd, _ = _component(diffusers_dir, "transformer")
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if ".attention.to_k." in k or ".attention.to_v." in k:
+            continue
+        name = k
+        for new, old in _Z_IMAGE_TO_ORIGINAL:
+            name = name.replace(new, old)
+        if ".attention.to_q." in k:
+            name = name.replace(".attention.to_q.", ".attention.qkv.")
+            v = torch.cat([sd[k], sd[k.replace(".to_q.", ".to_k.")], sd[k.replace(".to_q.", ".to_v.")]])
+        out[prefix + name] = v.to(FP8) if fp8 else v
+    return _save(out, out_file)
+
+
+def write_qwen3(diffusers_dir: Path, out_file: Path) -> Path:
+    """qwen_3_4b.safetensors: Hugging Face's Qwen3ForCausalLM names (``model.*``; the tiny folder saves
+    the bare Qwen3Model) and its tied LM head."""
+    sd, _ = _component(diffusers_dir, "text_encoder")
+    out = {f"model.{k}": v for k, v in sd.items()}
+    out["lm_head.weight"] = sd["embed_tokens.weight"].clone()
+    return _save(out, out_file)

@@ -18,8 +18,8 @@ from pathlib import Path
 from ....errors import ModelSourceError
 from ....models.safefiles import PathLike, Reader, is_side_key, open_file
 
-KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "qwen-image-transformer", "clip-l", "t5xxl",
-         "qwen25-vl-7b", "vae-sdxl", "vae-flux", "vae-qwen-image", "lora", "unknown")
+KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "qwen-image-transformer", "z-image-transformer",
+         "clip-l", "t5xxl", "qwen25-vl-7b", "qwen3-4b", "vae-sdxl", "vae-flux", "vae-qwen-image", "lora", "unknown")
 
 UNET_PREFIX = "model.diffusion_model."
 CLIP_L_KEY = "text_model.encoder.layers.0.mlp.fc1.weight"
@@ -30,6 +30,8 @@ FLUX_KEY = "double_blocks.0.img_attn.norm.key_norm.scale"
 T5_KEY = "encoder.block.0.layer.1.DenseReluDense.wi_1.weight"
 QWEN_IMAGE_KEY = "txt_norm.weight"  # ComfyUI's test for Qwen-Image (model_detection.py)
 QWEN25_KEY = "model.layers.0.self_attn.k_proj.bias"  # ComfyUI's test for Qwen2.5 (sd.py::detect_te_model)
+Z_IMAGE_KEY = "layers.0.adaLN_modulation.0.weight"  # diffusers' test for Z-Image (Lumina 2's is ...modulation.1)
+QWEN3_KEY = "model.layers.0.self_attn.q_norm.weight"  # Qwen3's attention has q/k norms (Qwen2.5's has biases)
 WAN21_VAE_KEY = "decoder.middle.0.residual.0.gamma"  # ComfyUI's test for Wan's VAE (sd.py)
 LORA_MARKERS = (".lora_up.", ".lora_down.", ".lora_A.", ".lora_B.", ".lora.up.", ".lora.down.", ".hada_w1_a",
                 ".lokr_w1")
@@ -138,6 +140,19 @@ def classify(r: Reader) -> Layout:
             return Layout(kind="qwen-image-transformer", prefix=prefix, parts=("transformer",),
                           fp8=fp8(r.with_prefix(prefix + "transformer_blocks.")), scaled=scaled, **base)
 
+    for prefix in ("", UNET_PREFIX):
+        if prefix + Z_IMAGE_KEY in keys and prefix + "cap_embedder.1.weight" in keys:
+            blocks = r.with_prefix(prefix + "layers.") + r.with_prefix(prefix + "noise_refiner.")
+            return Layout(kind="z-image-transformer", prefix=prefix, parts=("transformer",), fp8=fp8(blocks),
+                          scaled=scaled, **base)
+
+    if QWEN3_KEY in keys and "model.embed_tokens.weight" in keys:
+        width = r.shape("model.embed_tokens.weight")[1]
+        if width != 2560:  # ComfyUI's size test (sd.py::detect_te_model): 2560 is Qwen3-4B
+            return Layout(kind="unknown", note=f"a Qwen3 text encoder of width {width} (Z-Image reads Qwen3-4B, "
+                          "width 2560)", **base)
+        return Layout(kind="qwen3-4b", fp8=fp8(r.keys), scaled=scaled, **base)
+
     if QWEN25_KEY in keys:
         if r.shape(QWEN25_KEY)[0] == 256:  # ComfyUI's size test: 2 key/value heads of 128 (the 7B has 4)
             return Layout(kind="unknown", note="Qwen2.5-VL-3B (Qwen-Image reads Qwen2.5-VL-7B)", **base)
@@ -195,11 +210,13 @@ _WANTED = {
     "qwen-image-transformer": "a Qwen-Image transformer (e.g. qwen_image_bf16.safetensors)",
     "qwen25-vl-7b": "Qwen2.5-VL-7B, Qwen-Image's text encoder (e.g. qwen_2.5_vl_7b_fp8_scaled.safetensors)",
     "vae-qwen-image": "Qwen-Image's VAE (qwen_image_vae.safetensors)",
+    "z-image-transformer": "a Z-Image transformer (e.g. z_image_turbo_bf16.safetensors)",
+    "qwen3-4b": "Qwen3-4B, Z-Image's text encoder (e.g. qwen_3_4b.safetensors)",
 }
 
 
 FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux", "chroma-transformer": "chroma",
-             "qwen-image-transformer": "qwen_image"}  # a base model file -> the family that trains it
+             "qwen-image-transformer": "qwen_image", "z-image-transformer": "z_image"}  # a base model file -> the family that trains it
 
 
 def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
