@@ -275,7 +275,8 @@ def test_qwen_image_export_maps_in_comfyui_with_exact_deltas(family: str, fmt: s
     assert not not_loaded, sorted(not_loaded)[:5]
     assert_deltas_equal(deltas, trained_deltas(model))
     last = len(model.transformer_blocks) - 1  # its text stream's outputs are never read: not adapted
-    assert f"transformer_blocks.{last}.txt_mlp.net.2" not in deltas and f"transformer_blocks.{last}.attn.add_q_proj" in deltas
+    assert f"transformer_blocks.{last}.txt_mlp.net.2" not in deltas and f"transformer_blocks.{last}.attn.add_q_proj" not in deltas
+    assert f"transformer_blocks.{last}.attn.add_k_proj" in deltas  # the text keys still reach the image
     meta = header(tmp_path / "q.safetensors")
     assert meta["ss_base_model_version"] == "qwen_image" and meta["ss_timestep_sampling"] == "shift"
     assert meta["modelspec.architecture"] == {"qwen_image": "Qwen-Image/lora",

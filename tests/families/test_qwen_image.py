@@ -180,7 +180,7 @@ def test_the_last_blocks_text_outputs_take_no_adapter_and_every_adapter_learns(p
     last = len(trainable.model.transformer_blocks) - 1
     assert f"transformer_blocks.{last}.attn.add_k_proj" in adapted and "transformer_blocks.0.txt_mlp.net.2" in adapted
     assert not adapted & set(qwen_model.unused_outputs(trainable.model))
-    assert len(adapted) == 12 * (last + 1) - 3
+    assert len(adapted) == 12 * (last + 1) - 4
     loss = trainable.loss(family.collate([entries[0]]), torch.Generator().manual_seed(0))
     loss.backward()
     assert all(p.grad is not None for n, p in trainable.model.named_parameters() if p.requires_grad)

@@ -151,9 +151,14 @@ def synthetic_batch(trainable: "QwenImageTrainable", resolution: int, cfg: Any,
 
 
 def unused_outputs(transformer: Any) -> list[str]:
-    """Module names of the last block's text-stream outputs, which the transformer never reads."""
+    """Module names of the last block's layers whose outputs reach only its text stream, which the
+    transformer never reads after that block: the text queries (``add_q_proj``: the text tokens'
+    attention outputs; the text keys and values still reach the image tokens), the text attention's
+    output projection and the text MLP. ComfyUI's loader reported these weights unchanged in every
+    export that adapted them."""
     last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}"
-    return [f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj", f"{last}.txt_mlp.net.2"]
+    return [f"{last}.attn.add_q_proj", f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj",
+            f"{last}.txt_mlp.net.2"]
 
 
 def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
