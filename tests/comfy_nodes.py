@@ -3,7 +3,8 @@
 
 Read from Comfy-Org/ComfyUI (nodes.py, comfy/samplers.py, comfy_extras/nodes_sd3.py,
 nodes_flux.py, nodes_edit_model.py, nodes_model_advanced.py, nodes_post_processing.py,
-nodes_qwen.py, the Z-Image template's ConditioningZeroOut). What ``validate_prompt`` / ``validate_inputs`` check, and this does too: every
+nodes_qwen.py, the Z-Image template's ConditioningZeroOut, nodes_custom_sampler.py and
+nodes_flux.py's FLUX.2 nodes). What ``validate_prompt`` / ``validate_inputs`` check, and this does too: every
 node's class exists; every required input is given; a link names an existing node and one of its
 outputs, whose type is the input's; an INT or FLOAT value converts and lies within min/max; a
 combo's value is one of its options (options that list the files of the user's model folders are
@@ -26,7 +27,7 @@ SAMPLERS = ["euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_cfg_pp"
 SCHEDULERS = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal", "linear_quadratic",
               "kl_optimal"]
 CLIP_TYPES = ["stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
-              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image"]
+              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image", "flux2"]  # (2026: flux2)
 DUAL_CLIP_TYPES = ["sdxl", "sd3", "flux", "hunyuan_video", "hidream", "hunyuan_image"]
 
 
@@ -66,6 +67,17 @@ NODES: dict[str, tuple[dict[str, Any], dict[str, Any], list[str], bool]] = {
     "FluxGuidance": ({"conditioning": "CONDITIONING", "guidance": _float(0.0, 100.0)}, {}, ["CONDITIONING"], False),
     "FluxKontextImageScale": ({"image": "IMAGE"}, {}, ["IMAGE"], False),
     "ReferenceLatent": ({"conditioning": "CONDITIONING"}, {"latent": "LATENT"}, ["CONDITIONING"], False),
+    # comfy_extras/nodes_custom_sampler.py and nodes_flux.py (FLUX.2's templates)
+    "RandomNoise": ({"noise_seed": _int(0, 0xffffffffffffffff)}, {}, ["NOISE"], False),
+    "CFGGuider": ({"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING", "cfg": _float(0.0, 100.0)},
+                  {}, ["GUIDER"], False),
+    "BasicGuider": ({"model": "MODEL", "conditioning": "CONDITIONING"}, {}, ["GUIDER"], False),
+    "KSamplerSelect": ({"sampler_name": SAMPLERS}, {}, ["SAMPLER"], False),
+    "Flux2Scheduler": ({"steps": _int(1, 4096), "width": _int(1, MAX_RESOLUTION), "height": _int(1, MAX_RESOLUTION)},
+                       {}, ["SIGMAS"], False),
+    "EmptyFlux2LatentImage": (LATENT_SIZE, {}, ["LATENT"], False),
+    "SamplerCustomAdvanced": ({"noise": "NOISE", "guider": "GUIDER", "sampler": "SAMPLER", "sigmas": "SIGMAS",
+                               "latent_image": "LATENT"}, {}, ["LATENT", "LATENT"], False),
     "ConditioningZeroOut": ({"conditioning": "CONDITIONING"}, {}, ["CONDITIONING"], False),
     "ModelSamplingAuraFlow": ({"model": "MODEL", "shift": _float(0.0, 100.0)}, {}, ["MODEL"], False),
     "ImageScaleToTotalPixels": ({"image": "IMAGE", "upscale_method": ["nearest-exact", "bilinear", "area", "bicubic",

@@ -166,7 +166,8 @@ HUB_PRESETS = {"flux.toml": "black-forest-labs/FLUX.1-dev", "flux-kontext.toml":
                "sdxl.toml": "stabilityai/stable-diffusion-xl-base-1.0",
                "sdxl-datasets.toml": "stabilityai/stable-diffusion-xl-base-1.0",
                "sdxl-prodigy.toml": "stabilityai/stable-diffusion-xl-base-1.0", "qlora-llm.toml": "Qwen/Qwen2.5-7B-Instruct",
-               "z-image.toml": "Tongyi-MAI/Z-Image-Turbo"}
+               "z-image.toml": "Tongyi-MAI/Z-Image-Turbo", "flux2-klein.toml": "black-forest-labs/FLUX.2-klein-base-4B",
+               "flux2-dev.toml": "black-forest-labs/FLUX.2-dev"}
 
 
 def test_every_shipped_preset_is_covered() -> None:

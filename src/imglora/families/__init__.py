@@ -17,6 +17,7 @@ from ..adapters import blocks as lora_blocks
 from ..family import CacheEncoder, EditPairs, Family, Swappable, TextEncoderTraining, option, supports
 from .chroma import ChromaFamily
 from .flux import FluxFamily
+from .flux2 import Flux2Family
 from .flux_kontext import FluxKontextFamily
 from .llm import LlmFamily
 from .qwen_image import QwenImageFamily
@@ -27,7 +28,7 @@ from .z_image import ZImageFamily
 FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
                              "chroma": ChromaFamily, "qwen_image": QwenImageFamily,
                              "qwen_image_edit": QwenImageEditFamily, "qwen_image_edit_plus": QwenImageEditPlusFamily,
-                             "z_image": ZImageFamily, "llm": LlmFamily}
+                             "z_image": ZImageFamily, "flux2": Flux2Family, "llm": LlmFamily}
 
 
 class Registry:

@@ -315,16 +315,17 @@ def encode_prompts_with_negative(family: Any, src: "ModelSource", prompts: list[
 def guided_sampler(family: Any, src: "ModelSource", denoiser: torch.nn.Module, cfg: "Config", device: torch.device,
                    dtype: torch.dtype, default_guidance: float,
                    prompt_kwargs: Callable[[dict[str, torch.Tensor], torch.dtype, float], dict[str, Any]],
-                   **components: Any) -> Callable[..., Any]:
+                   pipeline: str | None = None, **components: Any) -> Callable[..., Any]:
     """A sampler over the family's pipeline for a model sampled with real classifier-free guidance
     (a negative prompt; Chroma, Qwen-Image): the pipeline around the trained denoiser without text
     encoders, and ``prompt_kwargs(embeds, dtype, guidance)`` giving the pipeline's prompt and
     guidance arguments from an encoded prompt (see encode_prompts_with_negative). ``components``: more
-    of the pipeline's parts to leave out or replace (e.g. ``processor=None``)."""
+    of the pipeline's parts to leave out or replace (e.g. ``processor=None``); ``pipeline``: the
+    pipeline class where the family's models use more than one (default ``family.pipeline``)."""
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(src.root, vae=family.load_vae(src, device, dtype),
+    pipe = getattr(diffusers, pipeline or family.pipeline).from_pretrained(src.root, vae=family.load_vae(src, device, dtype),
                                                                text_encoder=None, tokenizer=None, transformer=denoiser,
                                                                **components)
     pipe.set_progress_bar_config(disable=True)

@@ -69,14 +69,15 @@ def sample_sigmas(n: int, settings: Any, image_seq_len: int, generator: Any, dev
 
 
 def flow_matching_loss(settings: Any, batch: dict[str, torch.Tensor], pred: torch.Tensor, noise: torch.Tensor,
-                       x0: torch.Tensor, sigma: torch.Tensor, train: Any = None) -> torch.Tensor:
-    """The loss of a prediction of ``noise - x0`` on packed tokens: per element (``train.loss_type``,
-    the loss mask packed as the latents), per item (weighted over noise levels), per batch (loss
-    weights)."""
+                       x0: torch.Tensor, sigma: torch.Tensor, train: Any = None,
+                       layout: Callable[[torch.Tensor], torch.Tensor] = pack_latents) -> torch.Tensor:
+    """The loss of a prediction of ``noise - x0`` on tokens: per element (``train.loss_type``, the
+    loss mask in the latents' token ``layout``: 2×2 patches by default), per item (weighted over
+    noise levels), per batch (loss weights)."""
     latents = batch["latents"]
     mask = batch.get("loss_mask")
-    if mask is not None:  # [n, 1, h, w] -> the packed layout of the latents, one weight per element
-        mask = pack_latents(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
+    if mask is not None:  # [n, 1, h, w] -> the token layout of the latents, one weight per element
+        mask = layout(mask.expand(-1, latents.shape[1], -1, -1).contiguous())
     per_item = weighting.per_item_loss(pred, noise - x0, mask, train, lambda: (sigma, sigma / (1 - sigma)))
     if settings.loss_weighting == "sigma_sqrt":
         per_item = per_item * sigma.pow(-2.0)

@@ -165,6 +165,22 @@ def write_qwen2_tokenizer(folder: Path, words: tuple[str, ...] = ()) -> int:
     return len(vocab) + len(QWEN2_SPECIAL)
 
 
+# Qwen3's chat template, as far as the pipelines use it (Z-Image, FLUX.2 [klein]): the messages, the
+# generation prompt, and the empty think block only when enable_thinking is false.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
+def write_qwen3_tokenizer(folder: Path, words: tuple[str, ...] = ()) -> int:
+    """Qwen2's tokenizer files (:func:`write_qwen2_tokenizer`) with Qwen3's chat template; the vocab size."""
+    vocab = write_qwen2_tokenizer(folder, words)
+    config = folder / "tokenizer_config.json"
+    _write_json(config, {**json.loads(config.read_text()), "chat_template": QWEN3_CHAT_TEMPLATE})
+    return vocab
+
 # --- models ------------------------------------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ lists and its main blocks, the real scheduler config), tiny widths, random weigh
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -13,23 +12,14 @@ from ...models.tiny import save_model, seeded
 from .._shared import tiny_parts as tp
 from .model import CONFIGS
 
-# Qwen3's chat template, as far as ZImagePipeline uses it: the messages, the generation prompt, and
-# the empty think block only when enable_thinking is false.
-CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                 "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-                 "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-                 "{%- endif %}{%- endif %}")
-TEMPLATE_WORDS = ("user", "assistant")
+TEMPLATE_WORDS = ("user", "assistant")  # the chat template's words, one token each as in Qwen's vocabulary
 
 
 def build(dest: Path, seed: int) -> None:
     from diffusers import ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    vocab = tp.write_qwen2_tokenizer(dest / "tokenizer", TEMPLATE_WORDS)
-    config_file = dest / "tokenizer" / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": CHAT_TEMPLATE},
-                                      indent=2))
+    vocab = tp.write_qwen3_tokenizer(dest / "tokenizer", TEMPLATE_WORDS)
     special = {t: vocab - len(tp.QWEN2_SPECIAL) + i for i, t in enumerate(tp.QWEN2_SPECIAL)}
     text = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,

@@ -1,0 +1,183 @@
+"""FLUX.2 (Black Forest Labs): FLUX.2 [klein] base 4B and 9B, and FLUX.2 [dev] (32B). A rectified-flow
+transformer of double blocks (image and text streams) and single blocks, with modulation shared by
+all blocks; one token per 16×16 pixels (FLUX.2's VAE: 32 channels at 1/8, 2×2 patches as 128
+channels, normalised by its batch-norm statistics); the caption as three of the text encoder's
+layers side by side (Qwen3 for [klein], Mistral-Small-3 for [dev]), padded to 512 tokens. [klein]
+base has no guidance embedding and is sampled with real classifier-free guidance; [dev] has one
+(fed 1.0 in training) and samples with its embedded guidance. Which model a folder holds is read
+from its pipeline class (model_facts.variant in the run record).
+
+Peers (musubi-tuner, OneTrainer) recommend training [klein] *base*: the distilled [klein] and [dev]
+are meant for inference. In this folder: the loss and text encoding (``model``), its section
+(``config``), the export form (``keys``), its ComfyUI workflows (``comfyui``), its tiny model
+(``tiny``, a [klein]), the shipped [klein] base 4B and [dev] architectures (``configs``). Made from
+``families/_template``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ...adapters import KINDS
+from ...errors import ImgloraError
+from ...util.owned import own_module
+from .._shared import diffusers_image as common
+from . import comfyui, keys, model, tiny
+from .config import Flux2Config
+
+if TYPE_CHECKING:
+    from ...models.source import ModelSource
+
+
+class Flux2Family:
+    name = "flux2"
+    section = Flux2Config
+    model_marker = "model_index.json"
+    adapter_file = common.ADAPTER_FILE
+    adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
+    bucket_step = 16  # the VAE's 8× and the 2×2 patches
+    text_max_length = model.TEXT_MAX_LENGTH
+    # The projections inside the blocks that ComfyUI's FLUX.2 map names (not the shared modulation or
+    # time layers): the double blocks' attention and feed-forwards of both streams, the single blocks'
+    # fused input and output projections. A double block's attn.to_out is a list, its attn.to_out.0
+    # the projection: the scope keeps "attn.to_out" to the single blocks.
+    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                    "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                    "ff_context.linear_out", "attn.to_qkv_mlp_proj", "attn.to_out")
+    lora_scope = r"(?:transformer_blocks\.\d+\.(?!attn\.to_out$)|single_transformer_blocks\.\d+\.)"
+    lora_blocks = model.BLOCKS  # lora.blocks' kinds: double, single
+    quantize_exclude = ("x_embedder", "context_embedder", "time_guidance_embed*", "*_modulation*", "norm_out*",
+                        "proj_out")
+    quantizations: tuple[str, ...] = ()
+    adapter_types = tuple(KINDS)
+    swappable_blocks = tuple(model.BLOCKS.values())
+    compile_blocks = ("Flux2TransformerBlock", "Flux2SingleTransformerBlock")
+    streams_blocks = True
+    export_formats = keys.FORMATS
+    pipeline = "Flux2KleinPipeline"  # (its LoRA saver is Flux2Pipeline's; sampling reads the folder's own)
+    denoiser = "transformer"
+
+    prepare_data = common.prepare_data
+    data_version = common.data_version
+    collate = common.collate
+    save_adapter = common.save_adapter
+    read_adapter = common.read_adapter
+    base_weights = common.base_weights
+    default_prompts = common.default_prompts
+
+    def check_config(self, cfg: Any, where: Callable[[str], str], problems: list[str]) -> None:
+        common.check_config(self, cfg, where, problems)
+
+    def build_tiny(self, dest: Path, seed: int) -> None:
+        tiny.build(dest, seed)
+
+    # -- cache ------------------------------------------------------------------------------
+    def text_folders(self, src: "ModelSource") -> list[Path]:
+        return [src.root / "text_encoder", src.root / "tokenizer"]
+
+    def vae_folders(self, src: "ModelSource") -> list[Path]:
+        return [src.root / "vae"]
+
+    def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import AutoencoderKLFlux2
+
+        vae = AutoencoderKLFlux2.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
+        return own_module(vae).to(device).eval()
+
+    @torch.no_grad()
+    def encode_image(self, vae: Any, pixels: torch.Tensor, std: bool = False) -> dict[str, torch.Tensor]:
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        latents = model.normalize(model.patchify(dist.mode()), vae.bn)
+        out = {"latents": latents[0].float().cpu()}
+        if std:  # the posterior's spread in the same units: per patch channel, divided by the same std
+            spread = model.patchify(dist.std) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).to(dist.std)
+                                                           + vae.bn.eps)
+            out["latents_std"] = spread[0].float().cpu()
+        return out
+
+    def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
+        from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+
+        kind = model.variant(src.root)
+        if kind == "klein":
+            encoder = Qwen3ForCausalLM.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+        else:
+            encoder = Mistral3ForConditionalGeneration.from_pretrained(src.root, subfolder="text_encoder",
+                                                                       torch_dtype=dtype)
+            tokenizer = AutoProcessor.from_pretrained(src.root, subfolder="tokenizer")
+        return tokenizer, own_module(encoder).to(device).eval(), kind
+
+    @torch.no_grad()
+    def encode_text(self, encoders: Any, caption: str, max_length: int) -> dict[str, torch.Tensor]:
+        tokenizer, encoder, kind = encoders
+        return {"prompt_embeds": model.encode_caption(tokenizer, encoder, caption, max_length, kind).float().cpu()}
+
+    def count_tokens(self, encoders: Any, caption: str, max_length: int) -> dict[str, tuple[int, int]]:
+        tokenizer, _, kind = encoders
+        if kind == "klein":
+            return {"Qwen3": (len(tokenizer(model.KLEIN_TEMPLATE.format(caption)).input_ids), max_length)}
+        return {"Mistral": (len(tokenizer.tokenizer(caption).input_ids), max_length)}
+
+    # -- training ---------------------------------------------------------------------------
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self, model.MODELS[comfyui.variant_named(cfg.model.path)])
+
+    def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
+        root = src.root if src is not None else model.MODELS[comfyui.variant_named(cfg.model.path)]
+        return model.meta_trainable(root, cfg, dtype)
+
+    def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        return model.synthetic_batch(trainable, resolution, cfg, device)
+
+    # -- block swapping: blocks counted one by one, the single blocks first ----------------------
+    def block_counts(self, src: "ModelSource") -> list[int]:
+        return model.block_counts(src.root)
+
+    def with_blocks_to_swap(self, cfg: Any, n: int) -> Any:
+        return cfg.replace(memory={"blocks_to_swap": n})
+
+    def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
+        n = cfg.memory.blocks_to_swap
+        if n > sum(lengths):
+            raise ImgloraError(f"memory.blocks_to_swap = {n}, but this FLUX.2 model has {lengths[0]} double and "
+                               f"{lengths[1]} single blocks; the largest valid number is {sum(lengths)}")
+        return model.swap_counts(lengths, n)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:
+        """Each prompt's states with the empty negative prompt's ([klein]'s guidance needs it)."""
+        return common.encode_prompts_with_negative(self, src, prompts, cfg, device, "")
+
+    def load_sampler(self, src: "ModelSource", denoiser: torch.nn.Module, cfg: Any, device: torch.device,
+                     dtype: torch.dtype) -> Callable[..., Any]:
+        kind = model.variant(src.root)
+
+        def prompt(e: dict[str, torch.Tensor], t: torch.dtype, guidance: float) -> dict[str, Any]:
+            out = {"prompt_embeds": e["prompt_embeds"][None].to(device, t), "guidance_scale": guidance}
+            if kind == "klein":
+                out["negative_prompt_embeds"] = e["negative_prompt_embeds"][None].to(device, t)
+            return out
+
+        sampling = comfyui.SAMPLING[kind]
+        default = sampling.guidance if kind == "dev" else sampling.cfg
+        return common.guided_sampler(self, src, denoiser, cfg, device, dtype, default, prompt,
+                                     pipeline="Flux2KleinPipeline" if kind == "klein" else "Flux2Pipeline")
+
+    # -- export -------------------------------------------------------------------------------
+    def export_tensors(self, modules: dict[str, Any], fmt: str,
+                       base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return keys.tensors(modules, fmt, base)
+
+    def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
+        return keys.metadata(cfg, record)
+
+    def comfyui_nodes(self, lora_name: str, prompt: str, negative: str, seed: int, prefix: str,
+                      with_clip: bool, model: Any = None) -> list[Any]:
+        return comfyui.nodes(lora_name, prompt, negative, seed, prefix, model=model)
