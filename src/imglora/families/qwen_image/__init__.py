@@ -39,6 +39,13 @@ class QwenImageFamily:
             "text_encoders"),
         "qwen_image_vae.safetensors": ("Comfy-Org/Qwen-Image_ComfyUI", "split_files/vae/qwen_image_vae.safetensors",
                                        "vae"),
+        # Qwen-Image-2512: the same architecture, newer weights
+        "qwen_image_2512_fp8_e4m3fn.safetensors": (
+            "Comfy-Org/Qwen-Image_ComfyUI", "split_files/diffusion_models/qwen_image_2512_fp8_e4m3fn.safetensors",
+            "diffusion_models"),
+        "qwen_image_2512_bf16.safetensors": (
+            "Comfy-Org/Qwen-Image_ComfyUI", "split_files/diffusion_models/qwen_image_2512_bf16.safetensors",
+            "diffusion_models"),
     }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
