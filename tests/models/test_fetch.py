@@ -75,7 +75,7 @@ def diffusers_repo(model_index: dict) -> tuple[dict[str, bytes], set[str]]:
         if want:
             wanted.add(path)
     for comp, entry in model_index.items():
-        if comp.startswith("_") or not isinstance(entry, list) or entry[1] is None:
+        if comp not in hubfetch.components(model_index):
             continue
         for name, want in _for(comp, entry[1]):
             path = f"{comp}/{name}"
@@ -167,7 +167,8 @@ HUB_PRESETS = {"flux.toml": "black-forest-labs/FLUX.1-dev", "flux-kontext.toml":
                "sdxl-datasets.toml": "stabilityai/stable-diffusion-xl-base-1.0",
                "sdxl-prodigy.toml": "stabilityai/stable-diffusion-xl-base-1.0", "qlora-llm.toml": "Qwen/Qwen2.5-7B-Instruct",
                "z-image.toml": "Tongyi-MAI/Z-Image-Turbo", "flux2-klein.toml": "black-forest-labs/FLUX.2-klein-base-4B",
-               "flux2-dev.toml": "black-forest-labs/FLUX.2-dev", "qwen-image-2512.toml": "Qwen/Qwen-Image-2512"}
+               "flux2-dev.toml": "black-forest-labs/FLUX.2-dev", "qwen-image-2512.toml": "Qwen/Qwen-Image-2512",
+               "krea2.toml": "krea/Krea-2-Raw"}
 
 
 def test_every_shipped_preset_is_covered() -> None:

@@ -19,6 +19,7 @@ from .chroma import ChromaFamily
 from .flux import FluxFamily
 from .flux2 import Flux2Family
 from .flux_kontext import FluxKontextFamily
+from .krea2 import Krea2Family
 from .llm import LlmFamily
 from .qwen_image import QwenImageFamily
 from .qwen_image_edit import QwenImageEditFamily, QwenImageEditPlusFamily
@@ -28,7 +29,8 @@ from .z_image import ZImageFamily
 FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_kontext": FluxKontextFamily,
                              "chroma": ChromaFamily, "qwen_image": QwenImageFamily,
                              "qwen_image_edit": QwenImageEditFamily, "qwen_image_edit_plus": QwenImageEditPlusFamily,
-                             "z_image": ZImageFamily, "flux2": Flux2Family, "llm": LlmFamily}
+                             "z_image": ZImageFamily, "flux2": Flux2Family,
+                             "krea2": Krea2Family, "llm": LlmFamily}
 
 
 class Registry:

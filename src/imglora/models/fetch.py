@@ -94,9 +94,10 @@ def patterns(marker: str, components: list[str] | None) -> tuple[list[str], list
 
 
 def components(model_index: dict[str, Any]) -> list[str]:
-    """The component folders a diffusers model_index.json names (entries [library, class], class not null)."""
+    """The component folders a diffusers model_index.json names (entries [library, class], class not null;
+    not a pipeline setting that is a list too, e.g. Krea 2's text_encoder_select_layers)."""
     return sorted(k for k, v in model_index.items() if not k.startswith("_") and isinstance(v, list)
-                  and len(v) == 2 and v[1] is not None)
+                  and len(v) == 2 and all(isinstance(x, str) for x in v))
 
 
 def matches(path: str, include: list[str], exclude: list[str]) -> bool:
