@@ -30,6 +30,10 @@
 #   bisect (only when named in GPU_CHECK_STEPS; first then): benchmarks/bare_bisect.py, every case, DIR/bisect/
 #   families (only when named): SDXL's full UNet at 1024 px (bf16:0) and the chat-LLM preset's full
 #     architecture with its 4-bit base, bench-swap each (DIR/bench-sdxl/, DIR/bench-llm/)
+#   new-families (only when named): Z-Image Turbo, FLUX.2 [klein] base 4B and Krea 2's full architectures
+#     at 1024 px with their presets' memory setting (fp8:0), 5 updates each: finite losses, s/update,
+#     peaks (DIR/bench-z-image/, DIR/bench-flux2-klein/, DIR/bench-krea2/; FLUX.2 [dev]'s 32B is left out
+#     of a 15-minute window)
 #   3 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
 #   4 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, attention kernels, the GPU
 #   5 imglora plan (the prediction for the same settings; needs no GPU)
@@ -307,6 +311,7 @@ if [ "$DRY" -eq 1 ]; then
     SIZE_ARGS=()  # the preset's resolution
     SDXL_PRESET=presets/tiny-sdxl.toml
     LLM_PRESET=presets/tiny-llm.toml
+    NEW_FAMILIES=(z-image:presets/tiny-z-image.toml flux2-klein:presets/tiny-flux2.toml krea2:presets/tiny-krea2.toml)
     FAMILY_ARGS=(--steps 2 --warmup 1)
     BISECT_ARGS=(--tiny)
     SUMMARY_ARGS=(--dry-run --swapped "$SWAPPED" --reference "$REFERENCE")
@@ -320,6 +325,7 @@ else
     SIZE_ARGS=(--resolution 1024)
     SDXL_PRESET=presets/sdxl.toml
     LLM_PRESET=presets/qlora-llm.toml
+    NEW_FAMILIES=(z-image:presets/z-image.toml flux2-klein:presets/flux2-klein.toml krea2:presets/krea2.toml)
     FAMILY_ARGS=(--arch full --steps 5 --warmup 1)
     BISECT_ARGS=()
     SUMMARY_ARGS=(--swapped "$SWAPPED" --reference "$REFERENCE")
@@ -431,6 +437,22 @@ if wanted families; then
             --blocks 0 ${KERNEL_SET[@]+"${KERNEL_SET[@]}"} --timeout 100 --out "$OUT/bench-llm"
     else
         skip families "needs imglora's dependencies"
+    fi
+fi
+
+# ------------------------------------------------------------------------------ new families (when named)
+# Issue 43's families through imglora's own bench on this GPU: each full architecture, its preset's setting.
+if wanted new-families; then
+    if [ "$DEPS_OK" -eq 1 ]; then
+        for entry in "${NEW_FAMILIES[@]}"; do
+            name=${entry%%:*}
+            NOTE="$name, fp8:0"
+            run_step "families-$name" "$(budget 150)" "${IMGLORA[@]}" bench-swap "${entry#*:}" "${FAMILY_ARGS[@]}" \
+                ${SIZE_ARGS[@]+"${SIZE_ARGS[@]}"} --blocks fp8:0 ${KERNEL_SET[@]+"${KERNEL_SET[@]}"} --timeout 140 \
+                --out "$OUT/bench-$name"
+        done
+    else
+        skip new-families "needs imglora's dependencies"
     fi
 fi
 

@@ -433,12 +433,15 @@ def environment_line(bench: dict[str, Any] | None, probe: dict[str, Any] | None)
 
 DIAGNOSES = (("diagnose-math", "math attention kernel, asynchronous"),
              ("diagnose", "CUDA_LAUNCH_BLOCKING=1 with autograd anomaly detection"),
-             ("bench-sdxl", "SDXL (full UNet)"), ("bench-llm", "chat LLM (full architecture, 4-bit base)"))
+             ("bench-sdxl", "SDXL (full UNet)"), ("bench-llm", "chat LLM (full architecture, 4-bit base)"),
+             ("bench-z-image", "Z-Image Turbo (full architecture)"),
+             ("bench-flux2-klein", "FLUX.2 [klein] base 4B (full architecture)"),
+             ("bench-krea2", "Krea 2 Raw (full architecture)"))
 
 
 def diagnosis_lines(folder: Path | None) -> list[str]:
     """What the bare bisect (DIR/bisect), the diagnose step's runs (DIR/diagnose-math, DIR/diagnose)
-    and the families step's benches (DIR/bench-sdxl, DIR/bench-llm) found: per run, its losses and
+    and the families steps' benches (DIR/bench-sdxl, DIR/bench-llm, DIR/bench-<new family>) found: per run, its losses and
     whether they and the gradients are finite, or how it failed."""
     out = bisect_lines(folder / "bisect") if folder is not None else []
     for sub, label in DIAGNOSES:
