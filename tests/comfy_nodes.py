@@ -85,6 +85,11 @@ NODES: dict[str, tuple[dict[str, Any], dict[str, Any], list[str], bool]] = {
                                 {}, ["IMAGE"], False),
     "TextEncodeQwenImageEdit": ({"clip": "CLIP", "prompt": "STRING"}, {"vae": "VAE", "image": "IMAGE"},
                                 ["CONDITIONING"], False),
+    # comfy_extras/nodes_qwen.py (2026): Qwen-Image 2.1's encoder node gives both conditionings and the empty
+    # 64-channel latent at its resolution (reference images, an Autogrow input, optional)
+    "TextEncodeQwenImage21": ({"clip": "CLIP", "prompt": "STRING", "negative_prompt": "STRING",
+                               "resolution": _int(0, 4096)}, {"vae": "VAE"},
+                              ["CONDITIONING", "CONDITIONING", "LATENT"], False),
     "TextEncodeQwenImageEditPlus": ({"clip": "CLIP", "prompt": "STRING"},
                                     {"vae": "VAE", "image1": "IMAGE", "image2": "IMAGE", "image3": "IMAGE"},
                                     ["CONDITIONING"], False),

@@ -92,7 +92,7 @@ x = 1
     with pytest.raises(ConfigError) as exc:
         load_config(p)
     problems = exc.value.problems
-    assert f"{p}: model.family: expected one of 'sdxl', 'flux', 'flux_kontext', 'chroma', 'qwen_image', 'qwen_image_edit', 'qwen_image_edit_plus', 'z_image', 'flux2', 'krea2', 'llm', got the string \"sdxl3\" (did you mean \"sdxl\"?)" in problems
+    assert f"{p}: model.family: expected one of 'sdxl', 'flux', 'flux_kontext', 'chroma', 'qwen_image', 'qwen_image_edit', 'qwen_image_edit_plus', 'z_image', 'flux2', 'krea2', 'qwen_image21', 'llm', got the string \"sdxl3\" (did you mean \"sdxl\"?)" in problems
     assert any(f"{p}: model.path: missing required key" in x for x in problems)
     assert f'{p}: data.resolution: expected an integer, got the string "big"' in problems
     assert f"{p}: data.flip: expected true or false, got the integer 1" in problems
@@ -156,7 +156,7 @@ def test_cross_field_checks(tmp_path: Path) -> None:
         load_config(p, ["train.max_steps=0", "memory.blocks_to_swap=4", "data.dir="])
     msg = str(exc.value)
     assert "set train.max_steps or train.epochs" in msg
-    assert "block swapping is implemented for the flux, flux_kontext, chroma, qwen_image, qwen_image_edit, qwen_image_edit_plus, z_image, flux2 and krea2 families only" in msg
+    assert "block swapping is implemented for the flux, flux_kontext, chroma, qwen_image, qwen_image_edit, qwen_image_edit_plus, z_image, flux2, krea2 and qwen_image21 families only" in msg
     assert "data.dir: missing required key for the sdxl family" in msg
 
 

@@ -106,7 +106,7 @@ def test_sdxl_compiles_its_transformer_and_resnet_blocks() -> None:
 
 def test_a_family_without_blocks_to_compile_is_refused() -> None:
     with pytest.raises(ConfigError, match=r'memory.compile: compiled blocks are implemented for the sdxl, flux, '
-                                          r'flux_kontext, chroma, qwen_image, qwen_image_edit, qwen_image_edit_plus, z_image, flux2 and krea2 families; set it to "none" for llm'):
+                                          r'flux_kontext, chroma, qwen_image, qwen_image_edit, qwen_image_edit_plus, z_image, flux2, krea2 and qwen_image21 families; set it to "none" for llm'):
         load_config(REPO / "presets" / "tiny-llm.toml", ['memory.compile="blocks"'])
     with pytest.raises(ConfigError, match=r"memory.compile_mode: expected one of 'default', "
                                           r"'max-autotune-no-cudagraphs', got the string \"reduce-overhead\""):

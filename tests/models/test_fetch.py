@@ -168,7 +168,7 @@ HUB_PRESETS = {"flux.toml": "black-forest-labs/FLUX.1-dev", "flux-kontext.toml":
                "sdxl-prodigy.toml": "stabilityai/stable-diffusion-xl-base-1.0", "qlora-llm.toml": "Qwen/Qwen2.5-7B-Instruct",
                "z-image.toml": "Tongyi-MAI/Z-Image-Turbo", "flux2-klein.toml": "black-forest-labs/FLUX.2-klein-base-4B",
                "flux2-dev.toml": "black-forest-labs/FLUX.2-dev", "qwen-image-2512.toml": "Qwen/Qwen-Image-2512",
-               "krea2.toml": "krea/Krea-2-Raw"}
+               "krea2.toml": "krea/Krea-2-Raw", "qwen-image-2.1.toml": "Qwen/Qwen-Image-2.1"}
 
 
 def test_every_shipped_preset_is_covered() -> None:

@@ -22,6 +22,7 @@ from .flux_kontext import FluxKontextFamily
 from .krea2 import Krea2Family
 from .llm import LlmFamily
 from .qwen_image import QwenImageFamily
+from .qwen_image21 import QwenImage21Family
 from .qwen_image_edit import QwenImageEditFamily, QwenImageEditPlusFamily
 from .sdxl import SdxlFamily
 from .z_image import ZImageFamily
@@ -30,7 +31,7 @@ FAMILIES: dict[str, type] = {"sdxl": SdxlFamily, "flux": FluxFamily, "flux_konte
                              "chroma": ChromaFamily, "qwen_image": QwenImageFamily,
                              "qwen_image_edit": QwenImageEditFamily, "qwen_image_edit_plus": QwenImageEditPlusFamily,
                              "z_image": ZImageFamily, "flux2": Flux2Family,
-                             "krea2": Krea2Family, "llm": LlmFamily}
+                             "krea2": Krea2Family, "qwen_image21": QwenImage21Family, "llm": LlmFamily}
 
 
 class Registry:

@@ -71,6 +71,15 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
+def _on_meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A mask a model computed on the host from its token layout (Qwen-Image 2.1 reads the layout
+    from the mask's values, so it stays on the host there), put beside meta tensors: as on a GPU,
+    where the mask is on the device."""
+    if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+        return args
+    return tuple(a.to("meta") if isinstance(a, torch.Tensor) and not a.is_meta and a.dim() else a for a in args)
+
+
 _LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
         torch.mm, torch.Tensor.mm, torch.addmm, torch.baddbmm, F.conv1d, F.conv2d, F.conv3d, torch.conv2d,
         F.conv_transpose2d}
@@ -153,6 +162,8 @@ class Autocast(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.where and len(args) == 3:
+            args = _on_meta(args)
         if func is _ORIGINAL_SDPA:
             if self.dtype is not None:  # (diffusers passes query, key and value by name)
                 args = tuple(self._cast(a, self.dtype) for a in args)

@@ -325,9 +325,13 @@ def guided_sampler(family: Any, src: "ModelSource", denoiser: torch.nn.Module, c
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()
-    pipe = getattr(diffusers, pipeline or family.pipeline).from_pretrained(src.root, vae=family.load_vae(src, device, dtype),
-                                                               text_encoder=None, tokenizer=None, transformer=denoiser,
-                                                               **components)
+    import inspect
+
+    cls = getattr(diffusers, pipeline or family.pipeline)
+    takes = inspect.signature(cls.__init__).parameters
+    none = {name: None for name in ("text_encoder", "tokenizer") if name in takes}  # (Qwen-Image 2.1's has no tokenizer)
+    pipe = cls.from_pretrained(src.root, vae=family.load_vae(src, device, dtype), transformer=denoiser,
+                               **{**none, **components})
     pipe.set_progress_bar_config(disable=True)
     size = sample_size(cfg, family)
     guidance = cfg.eval.guidance_scale or default_guidance
