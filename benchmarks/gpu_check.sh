@@ -30,9 +30,9 @@
 #   bisect (only when named in GPU_CHECK_STEPS; first then): benchmarks/bare_bisect.py, every case, DIR/bisect/
 #   families (only when named): SDXL's full UNet at 1024 px (bf16:0) and the chat-LLM preset's full
 #     architecture with its 4-bit base, bench-swap each (DIR/bench-sdxl/, DIR/bench-llm/)
-#   new-families (only when named): Z-Image Turbo, FLUX.2 [klein] base 4B and Krea 2's full architectures
+#   new-families (only when named): Z-Image Turbo, FLUX.2 [klein] base 4B, Krea 2 and Qwen-Image 2.1's full architectures
 #     at 1024 px with their presets' memory setting (fp8:0), 5 updates each: finite losses, s/update,
-#     peaks (DIR/bench-z-image/, DIR/bench-flux2-klein/, DIR/bench-krea2/; FLUX.2 [dev]'s 32B is left out
+#     peaks (DIR/bench-z-image/, DIR/bench-flux2-klein/, DIR/bench-krea2/, DIR/bench-qwen-image-2.1/; FLUX.2 [dev]'s 32B is left out
 #     of a 15-minute window)
 #   3 python -m pytest -m gpu (HF_HUB_OFFLINE=1)
 #   4 benchmarks/gpu_probe.py: copy bandwidth, copy/compute overlap, fp8 matmuls, attention kernels, the GPU
@@ -311,7 +311,8 @@ if [ "$DRY" -eq 1 ]; then
     SIZE_ARGS=()  # the preset's resolution
     SDXL_PRESET=presets/tiny-sdxl.toml
     LLM_PRESET=presets/tiny-llm.toml
-    NEW_FAMILIES=(z-image:presets/tiny-z-image.toml flux2-klein:presets/tiny-flux2.toml krea2:presets/tiny-krea2.toml)
+    NEW_FAMILIES=(z-image:presets/tiny-z-image.toml flux2-klein:presets/tiny-flux2.toml krea2:presets/tiny-krea2.toml
+                  qwen-image-2.1:presets/tiny-qwen-image21.toml)
     FAMILY_ARGS=(--steps 2 --warmup 1)
     BISECT_ARGS=(--tiny)
     SUMMARY_ARGS=(--dry-run --swapped "$SWAPPED" --reference "$REFERENCE")
@@ -325,7 +326,8 @@ else
     SIZE_ARGS=(--resolution 1024)
     SDXL_PRESET=presets/sdxl.toml
     LLM_PRESET=presets/qlora-llm.toml
-    NEW_FAMILIES=(z-image:presets/z-image.toml flux2-klein:presets/flux2-klein.toml krea2:presets/krea2.toml)
+    NEW_FAMILIES=(z-image:presets/z-image.toml flux2-klein:presets/flux2-klein.toml krea2:presets/krea2.toml
+                  qwen-image-2.1:presets/qwen-image-2.1.toml)
     FAMILY_ARGS=(--arch full --steps 5 --warmup 1)
     BISECT_ARGS=()
     SUMMARY_ARGS=(--swapped "$SWAPPED" --reference "$REFERENCE")

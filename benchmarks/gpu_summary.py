@@ -436,7 +436,8 @@ DIAGNOSES = (("diagnose-math", "math attention kernel, asynchronous"),
              ("bench-sdxl", "SDXL (full UNet)"), ("bench-llm", "chat LLM (full architecture, 4-bit base)"),
              ("bench-z-image", "Z-Image Turbo (full architecture)"),
              ("bench-flux2-klein", "FLUX.2 [klein] base 4B (full architecture)"),
-             ("bench-krea2", "Krea 2 Raw (full architecture)"))
+             ("bench-krea2", "Krea 2 Raw (full architecture)"),
+             ("bench-qwen-image-2.1", "Qwen-Image 2.1 (full architecture)"))
 
 
 def diagnosis_lines(folder: Path | None) -> list[str]:

@@ -574,9 +574,9 @@ def test_the_gpu_window_s_two_commands_dry_run(tmp_path) -> None:
 
 
 
-@pytest.mark.slow  # (three tiny families' benches: CI runs it)
+@pytest.mark.slow  # (four tiny families' benches: CI runs it)
 def test_the_new_families_step_dry_run(tmp_path) -> None:
-    """GPU_CHECK_STEPS=new-families: Z-Image, FLUX.2 [klein] and Krea 2 through bench-swap with their
+    """GPU_CHECK_STEPS=new-families: Z-Image, FLUX.2 [klein], Krea 2 and Qwen-Image 2.1 through bench-swap with their
     presets' setting, each reported in the summary with its losses."""
     out = tmp_path / "gpu-3"
     env = dict(_script_env(), GPU_CHECK_STEPS="new-families")
@@ -584,9 +584,9 @@ def test_the_new_families_step_dry_run(tmp_path) -> None:
                    env=env, capture_output=True, text=True, timeout=900)
     log = (out / "check.log").read_text()
     steps = {s.split("\t")[0]: s.split("\t")[1] for s in (out / "steps.tsv").read_text().splitlines()}
-    names = ("z-image", "flux2-klein", "krea2")
+    names = ("z-image", "flux2-klein", "krea2", "qwen-image-2.1")
     assert all(steps[f"families-{n}"] == "ok" for n in names), log[-4000:]
     summary = (out / "summary.md").read_text()
     for label in ("Z-Image Turbo (full architecture)", "FLUX.2 [klein] base 4B (full architecture)",
-                  "Krea 2 Raw (full architecture)"):
+                  "Krea 2 Raw (full architecture)", "Qwen-Image 2.1 (full architecture)"):
         assert f"- {label}, fp8:0: losses [" in summary and "all finite" in summary.split(f"- {label}, fp8:0")[1].split("\n")[0]

@@ -10,12 +10,13 @@ from its pipeline class (model_facts.variant in the run record).
 Peers (musubi-tuner, OneTrainer) recommend training [klein] *base*: the distilled [klein] and [dev]
 are meant for inference. In this folder: the loss and text encoding (``model``), its section
 (``config``), the export form (``keys``), its ComfyUI workflows (``comfyui``), its tiny model
-(``tiny``, a [klein]), the shipped [klein] base 4B and [dev] architectures (``configs``). Made from
-``families/_template``.
+(``tiny``, a [klein]), the shipped [klein] base 4B, 9B and [dev] architectures (``configs``), the
+single files ComfyUI users have (``singlefile``). Made from ``families/_template``.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -25,17 +26,44 @@ from ...adapters import KINDS
 from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
-from . import comfyui, keys, model, tiny
+from . import comfyui, keys, model, singlefile, tiny
 from .config import Flux2Config
 
 if TYPE_CHECKING:
     from ...models.source import ModelSource
 
 
+def shipped_root(path: str) -> Path:
+    """The shipped architecture ``model.path`` names, for a plan made before the model is read: [dev],
+    [klein] 9B (a name with "klein" and "9b"), else [klein] 4B."""
+    kind = comfyui.variant_named(path)
+    if kind == "klein" and re.search(r"klein.*9b", Path(path).name.lower()):
+        return singlefile.SHIPPED["klein-9b"]
+    return model.MODELS[kind]
+
+
 class Flux2Family:
     name = "flux2"
     section = Flux2Config
     model_marker = "model_index.json"
+    # imglora fetch: bare single-file names and where they are published (repository, path, ComfyUI kind)
+    published_files = {
+        "flux-2-klein-base-4b.safetensors": ("Comfy-Org/flux2-klein",
+                                             "split_files/diffusion_models/flux-2-klein-base-4b.safetensors",
+                                             "diffusion_models"),
+        "flux-2-klein-4b.safetensors": ("Comfy-Org/flux2-klein", "split_files/diffusion_models/flux-2-klein-4b.safetensors",
+                                        "diffusion_models"),
+        "flux-2-klein-base-9b-fp8.safetensors": ("black-forest-labs/FLUX.2-klein-base-9b-fp8",
+                                                 "flux-2-klein-base-9b-fp8.safetensors", "diffusion_models"),
+        "qwen_3_4b.safetensors": ("Comfy-Org/flux2-klein", "split_files/text_encoders/qwen_3_4b.safetensors",
+                                  "text_encoders"),
+        "qwen_3_8b_fp8mixed.safetensors": ("Comfy-Org/flux2-klein-9B",
+                                           "split_files/text_encoders/qwen_3_8b_fp8mixed.safetensors", "text_encoders"),
+        "flux2_dev_fp8mixed.safetensors": ("Comfy-Org/flux2-dev",
+                                           "split_files/diffusion_models/flux2_dev_fp8mixed.safetensors",
+                                           "diffusion_models"),
+        "flux2-vae.safetensors": ("Comfy-Org/flux2-dev", "split_files/vae/flux2-vae.safetensors", "vae"),
+    }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 16  # the VAE's 8× and the 2×2 patches
@@ -74,17 +102,24 @@ class Flux2Family:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     # -- cache ------------------------------------------------------------------------------
     def text_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "text_encoder", src.root / "tokenizer"]
+        return [src.root / "text_encoder", src.root / "tokenizer",
+                *([src.files["text_encoder"]] if src.files and "text_encoder" in src.files else [])]
 
     def vae_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "vae"]
+        return [src.root / "vae", *([src.files["vae"]] if src.files else [])]
 
     def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import AutoencoderKLFlux2
 
-        vae = AutoencoderKLFlux2.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
+        if src.files:
+            vae = singlefile.load_vae(src, dtype)
+        else:
+            vae = AutoencoderKLFlux2.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
         return own_module(vae).to(device).eval()
 
     @torch.no_grad()
@@ -102,7 +137,10 @@ class Flux2Family:
         from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
         kind = model.variant(src.root)
-        if kind == "klein":
+        if kind == "klein" and src.files:  # (FLUX.2 [dev] from files reads Mistral from model.config's folder)
+            encoder = singlefile.load_text_encoder(src, dtype)
+            tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+        elif kind == "klein":
             encoder = Qwen3ForCausalLM.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
         else:
@@ -127,10 +165,10 @@ class Flux2Family:
         return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
 
     def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, model.MODELS[comfyui.variant_named(cfg.model.path)])
+        return model.full_trainable(cfg, dtype, device, self, shipped_root(cfg.model.path))
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
-        root = src.root if src is not None else model.MODELS[comfyui.variant_named(cfg.model.path)]
+        root = src.root if src is not None else shipped_root(cfg.model.path)
         return model.meta_trainable(root, cfg, dtype)
 
     def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
@@ -174,6 +212,9 @@ class Flux2Family:
     def export_tensors(self, modules: dict[str, Any], fmt: str,
                        base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

@@ -78,17 +78,20 @@ def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
             for i, swapped in enumerate(swap_mask(total, k)) if swapped}
 
 
-def _no_file(path: Path, root: Path, **_: Any) -> Any:
-    raise ModelSourceError(f"{path}: FLUX.2 trains from a diffusers folder (its single files are not read yet)")
-
-
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
                    quantize_exclude: tuple[str, ...]) -> "Flux2Trainable":
     """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it
-    is read, so the host never holds the whole transformer in its load dtype."""
+    is read, so the host never holds the whole transformer in its load dtype (from a diffusers folder
+    or from BFL's single file: ``singlefile.load_transformer``)."""
+    from functools import partial
+
+    from . import singlefile
+
     swapped = swapped_blocks(block_counts(src.root), cfg)
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
-                                                 model_class=MODEL_CLASS, file_reader=_no_file, blocks=BLOCKS)
+                                                 model_class=MODEL_CLASS,
+                                                 file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
+                                                 blocks=BLOCKS)
     trainable = _trainable(transformer, cfg)
     trainable.facts.update(facts, variant=variant(src.root))
     return trainable

@@ -6,7 +6,8 @@ on Turbo (8 steps, no guidance).
 
 In this folder: the loss and text encoding (``model``), its section (``config``), the export form
 (``keys``), its ComfyUI workflow (``comfyui``), its tiny model (``tiny``), the shipped Krea 2 Raw
-architecture (``configs``). Made from ``families/_template``.
+architecture (``configs``), the single files ComfyUI users have (``singlefile``). Made from
+``families/_template``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ...adapters import KINDS
 from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
-from . import comfyui, keys, model, tiny
+from . import comfyui, keys, model, singlefile, tiny
 from .config import Krea2Config
 
 if TYPE_CHECKING:
@@ -31,6 +32,18 @@ class Krea2Family:
     name = "krea2"
     section = Krea2Config
     model_marker = "model_index.json"
+    # imglora fetch: bare single-file names and where they are published (repository, path, ComfyUI kind)
+    published_files = {
+        "krea2_raw_bf16.safetensors": ("Comfy-Org/Krea-2", "diffusion_models/krea2_raw_bf16.safetensors",
+                                       "diffusion_models"),
+        "krea2_raw_fp8_scaled.safetensors": ("Comfy-Org/Krea-2", "diffusion_models/krea2_raw_fp8_scaled.safetensors",
+                                             "diffusion_models"),
+        "qwen3vl_4b_bf16.safetensors": ("Comfy-Org/Krea-2", "text_encoders/qwen3vl_4b_bf16.safetensors",
+                                        "text_encoders"),
+        "qwen3vl_4b_fp8_scaled.safetensors": ("Comfy-Org/Krea-2", "text_encoders/qwen3vl_4b_fp8_scaled.safetensors",
+                                              "text_encoders"),
+        "qwen_image_vae.safetensors": ("Comfy-Org/Krea-2", "vae/qwen_image_vae.safetensors", "vae"),
+    }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 16  # the VAE's 8× and the 2×2 patches
@@ -66,20 +79,26 @@ class Krea2Family:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return model.collate(entries)
 
     # -- cache ------------------------------------------------------------------------------
     def text_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "text_encoder", src.root / "tokenizer"]
+        return [src.root / "text_encoder", src.root / "tokenizer", *([src.files["text_encoder"]] if src.files else [])]
 
     def vae_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "vae"]
+        return [src.root / "vae", *([src.files["vae"]] if src.files else [])]
 
     def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import AutoencoderKLQwenImage
 
-        vae = AutoencoderKLQwenImage.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
+        if src.files:
+            vae = singlefile.load_vae(src, dtype)
+        else:
+            vae = AutoencoderKLQwenImage.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
         return own_module(vae).to(device).eval()
 
     @torch.no_grad()
@@ -94,7 +113,10 @@ class Krea2Family:
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from transformers import AutoTokenizer, Qwen3VLModel
 
-        encoder = Qwen3VLModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
+        if src.files:  # Qwen3-VL's language model alone (a caption is text only)
+            encoder = singlefile.load_text_encoder(src, dtype)
+        else:
+            encoder = Qwen3VLModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
         return tokenizer, own_module(encoder).to(device).eval()
 
@@ -155,6 +177,9 @@ class Krea2Family:
     # -- export -------------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

@@ -73,18 +73,19 @@ def keep_fp32(transformer: Any) -> Any:
     return transformer
 
 
-def _no_file(path: Path, root: Path, **_: Any) -> Any:
-    from ...errors import ModelSourceError
-
-    raise ModelSourceError(f"{path}: Krea 2 trains from a diffusers folder (its single files are not read yet)")
-
-
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
                    quantize_exclude: tuple[str, ...]) -> "Krea2Trainable":
-    """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it is read."""
+    """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it is
+    read (from a diffusers folder, or from Krea's single file: ``singlefile.load_transformer``)."""
+    from functools import partial
+
+    from . import singlefile
+
     swapped = swapped_blocks(block_counts(src.root), cfg)
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
-                                                 model_class=MODEL_CLASS, file_reader=_no_file, blocks=BLOCKS)
+                                                 model_class=MODEL_CLASS,
+                                                 file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
+                                                 blocks=BLOCKS)
     trainable = _trainable(keep_fp32(transformer), cfg, src.root)
     trainable.facts.update(facts)
     return trainable

@@ -19,7 +19,8 @@ from ....errors import ModelSourceError
 from ....models.safefiles import PathLike, Reader, is_side_key, open_file
 
 KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "qwen-image-transformer", "z-image-transformer",
-         "clip-l", "t5xxl", "qwen25-vl-7b", "qwen3-4b", "vae-sdxl", "vae-flux", "vae-qwen-image", "lora", "unknown")
+         "flux2-transformer", "krea2-transformer", "clip-l", "t5xxl", "qwen25-vl-7b", "qwen3-4b", "qwen3-8b",
+         "qwen3vl-4b", "qwen3vl-8b", "vae-sdxl", "vae-flux", "vae-flux2", "vae-qwen-image", "lora", "unknown")
 
 UNET_PREFIX = "model.diffusion_model."
 CLIP_L_KEY = "text_model.encoder.layers.0.mlp.fc1.weight"
@@ -33,6 +34,14 @@ QWEN25_KEY = "model.layers.0.self_attn.k_proj.bias"  # ComfyUI's test for Qwen2.
 Z_IMAGE_KEY = "layers.0.adaLN_modulation.0.weight"  # diffusers' test for Z-Image (Lumina 2's is ...modulation.1)
 QWEN3_KEY = "model.layers.0.self_attn.q_norm.weight"  # Qwen3's attention has q/k norms (Qwen2.5's has biases)
 WAN21_VAE_KEY = "decoder.middle.0.residual.0.gamma"  # ComfyUI's test for Wan's VAE (sd.py)
+FLUX2_KEY = "double_stream_modulation_img.lin.weight"  # FLUX.2's shared modulation (FLUX.1 has one per block)
+# FLUX.2's sizes by txt_in's input width (three of the text encoder's layers side by side)
+FLUX2_VARIANTS = {7680: "klein-4b", 12288: "klein-9b", 15360: "dev"}
+KREA2_KEY = "txtfusion.projector.weight"  # diffusers' test for Krea 2 (CHECKPOINT_KEY_NAMES["krea2"])
+# Qwen3-VL in transformers' layout (model.language_model.*, model.visual.*) as ComfyUI's files have it, or with
+# the language model at model.* and the vision tower at visual.*; ComfyUI tests the deepstack merger
+QWEN3VL_LAYOUTS = (("model.language_model.", "model.visual."), ("model.", "visual."))
+QWEN3_SIZES = {2560: "4b", 4096: "8b"}  # the hidden width of Qwen3-4B / -8B (and Qwen3-VL-4B / -8B)
 LORA_MARKERS = (".lora_up.", ".lora_down.", ".lora_A.", ".lora_B.", ".lora.up.", ".lora.down.", ".hada_w1_a",
                 ".lokr_w1")
 
@@ -46,7 +55,7 @@ class Layout:
     kind: str
     prefix: str = ""
     parts: tuple[str, ...] = ()
-    variant: str | None = None  # FLUX.1: "dev" (has guidance_in) or "schnell"
+    variant: str | None = None  # FLUX.1: "dev" (has guidance_in) or "schnell"; FLUX.2: FLUX2_VARIANTS' names
     fp8: bool = False  # weights stored as float8
     scaled: bool = False  # fp8 with per-tensor scale keys (scale_weight / weight_scale)
     tensors: int = 0
@@ -108,8 +117,17 @@ def classify(r: Reader) -> Layout:
                           fp8=fp8(r.with_prefix(prefix + "input_blocks.")), scaled=scaled, **base)
 
     for prefix in ("", UNET_PREFIX):
-        if prefix + "double_stream_modulation_img.lin.weight" in keys:
-            return Layout(kind="unknown", prefix=prefix, note="a FLUX.2 transformer; imglora trains FLUX.1", **base)
+        if prefix + FLUX2_KEY in keys:
+            width = r.shape(prefix + "txt_in.weight")[1] if prefix + "txt_in.weight" in keys else 0
+            variant = FLUX2_VARIANTS.get(width)
+            note = "" if variant else (f"txt_in takes {width} features: not a released size ([klein] 4B 7680, 9B "
+                                       "12288, [dev] 15360); give its diffusers folder as model.config")
+            blocks = r.with_prefix(prefix + "double_blocks.") + r.with_prefix(prefix + "single_blocks.")
+            return Layout(kind="flux2-transformer", prefix=prefix, parts=("transformer",), variant=variant,
+                          fp8=fp8(blocks), scaled=scaled, note=note, **base)
+        if prefix + KREA2_KEY in keys:
+            return Layout(kind="krea2-transformer", prefix=prefix, parts=("transformer",),
+                          fp8=fp8(r.with_prefix(prefix + "blocks.")), scaled=scaled, **base)
         if any(k.startswith(prefix + "distilled_guidance_layer.") for k in keys):
             if any(k.startswith(prefix + "nerf_") for k in keys):
                 return Layout(kind="unknown", prefix=prefix, note="a Chroma Radiance transformer (pixel space); "
@@ -146,12 +164,25 @@ def classify(r: Reader) -> Layout:
             return Layout(kind="z-image-transformer", prefix=prefix, parts=("transformer",), fp8=fp8(blocks),
                           scaled=scaled, **base)
 
+    for language, vision in QWEN3VL_LAYOUTS:
+        if vision + "deepstack_merger_list.0.norm.weight" in keys or (
+                language == "model.language_model." and language + "embed_tokens.weight" in keys):
+            if language + "embed_tokens.weight" not in keys:
+                return Layout(kind="unknown", note="a Qwen3-VL vision tower without its language model", **base)
+            width = r.shape(language + "embed_tokens.weight")[1]
+            size = QWEN3_SIZES.get(width)
+            if size is None:
+                return Layout(kind="unknown", prefix=language, note=f"a Qwen3-VL of width {width} (Krea 2 reads "
+                              "Qwen3-VL-4B, width 2560)", **base)
+            return Layout(kind=f"qwen3vl-{size}", prefix=language, fp8=fp8(r.keys), scaled=scaled, **base)
+
     if QWEN3_KEY in keys and "model.embed_tokens.weight" in keys:
         width = r.shape("model.embed_tokens.weight")[1]
-        if width != 2560:  # ComfyUI's size test (sd.py::detect_te_model): 2560 is Qwen3-4B
-            return Layout(kind="unknown", note=f"a Qwen3 text encoder of width {width} (Z-Image reads Qwen3-4B, "
-                          "width 2560)", **base)
-        return Layout(kind="qwen3-4b", fp8=fp8(r.keys), scaled=scaled, **base)
+        size = QWEN3_SIZES.get(width)  # ComfyUI's size test (sd.py::detect_te_model)
+        if size is None:
+            return Layout(kind="unknown", note=f"a Qwen3 text encoder of width {width} (Z-Image and FLUX.2 [klein] "
+                          "4B read Qwen3-4B, width 2560; [klein] 9B Qwen3-8B, width 4096)", **base)
+        return Layout(kind=f"qwen3-{size}", fp8=fp8(r.keys), scaled=scaled, **base)
 
     if QWEN25_KEY in keys:
         if r.shape(QWEN25_KEY)[0] == 256:  # ComfyUI's size test: 2 key/value heads of 128 (the 7B has 4)
@@ -189,7 +220,10 @@ def classify(r: Reader) -> Layout:
                 break  # diffusers' own VAE layout: reported below
             latent = r.shape(prefix + "decoder.conv_in.weight")[1]
             kind = {4: "vae-sdxl", 16: "vae-flux"}.get(latent, "unknown")
-            note = "" if kind != "unknown" else f"a VAE with {latent} latent channels (neither SDXL's 4 nor FLUX's 16)"
+            if latent == 32 and prefix + "bn.running_mean" in keys:
+                kind = "vae-flux2"  # FLUX.2's: 32 channels, and the batch-norm statistics of its 2x2 patches
+            note = "" if kind != "unknown" else (f"a VAE with {latent} latent channels (neither SDXL's 4, FLUX.1's "
+                                                 "16 nor FLUX.2's 32 with its bn statistics)")
             return Layout(kind=kind, prefix=prefix, note=note, **base)
 
     note = ""
@@ -211,12 +245,19 @@ _WANTED = {
     "qwen25-vl-7b": "Qwen2.5-VL-7B, Qwen-Image's text encoder (e.g. qwen_2.5_vl_7b_fp8_scaled.safetensors)",
     "vae-qwen-image": "Qwen-Image's VAE (qwen_image_vae.safetensors)",
     "z-image-transformer": "a Z-Image transformer (e.g. z_image_turbo_bf16.safetensors)",
-    "qwen3-4b": "Qwen3-4B, Z-Image's text encoder (e.g. qwen_3_4b.safetensors)",
+    "qwen3-4b": "Qwen3-4B, Z-Image's and FLUX.2 [klein] 4B's text encoder (e.g. qwen_3_4b.safetensors)",
+    "qwen3-8b": "Qwen3-8B, FLUX.2 [klein] 9B's text encoder (e.g. qwen_3_8b_fp8mixed.safetensors)",
+    "flux2-transformer": "a FLUX.2 transformer (e.g. flux-2-klein-base-4b.safetensors)",
+    "vae-flux2": "FLUX.2's VAE (flux2-vae.safetensors)",
+    "krea2-transformer": "a Krea 2 transformer (e.g. krea2_raw_bf16.safetensors)",
+    "qwen3vl-4b": "Qwen3-VL-4B, Krea 2's text encoder (e.g. qwen3vl_4b_bf16.safetensors)",
+    "qwen3vl-8b": "Qwen3-VL-8B (e.g. qwen3vl_8b_bf16.safetensors)",
 }
 
 
 FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux", "chroma-transformer": "chroma",
-             "qwen-image-transformer": "qwen_image", "z-image-transformer": "z_image"}  # a base model file -> the family that trains it
+             "qwen-image-transformer": "qwen_image", "z-image-transformer": "z_image", "flux2-transformer": "flux2",
+             "krea2-transformer": "krea2"}  # a base model file -> the family that trains it
 
 
 def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:

@@ -152,3 +152,51 @@ def load_flux_vae(path: PathLike, config: Any, dtype: torch.dtype) -> Any:
     with open_file(path) as r:
         return ldm_vae(r, prefix, cfg, dtype, "FLUX VAE")
 
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen3 and Qwen3-VL's language model (Z-Image's, FLUX.2 [klein]'s and Krea 2's text encoders)
+# --------------------------------------------------------------------------------------------
+
+
+def load_qwen3(path: PathLike, config: Any, dtype: torch.dtype, kinds: tuple[str, ...], what: str, hint: str) -> Any:
+    """Qwen3Model (no LM head: the hidden states are what the image models read) from a file in
+    Hugging Face's Qwen3ForCausalLM names (``model.*``, as ComfyUI's qwen_3_4b / qwen_3_8b files);
+    ``lm_head`` (if the file has it) is not read. ``config``: a Qwen3Config, a dict, or a folder
+    (its ``text_encoder/``)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    layout = expect(path, *kinds)
+    cfg = hf_config(Qwen3Config, config, "text_encoder")
+    encoder = empty_model(lambda: Qwen3Model(cfg))
+    with open_file(path) as r:
+        keys = r.with_prefix("model.")
+        note_ignored(r.path, sorted(set(r.with_prefix("")) - set(keys)))
+        state = {k[len("model."):]: r.get(k, dtype) for k in keys}
+    return fill(encoder, state, path=layout.path, what=what, hint=hint)
+
+
+def qwen3vl_language_prefix(r: Reader) -> str:
+    """Where a Qwen3-VL file keeps its language model: ``model.language_model.`` (transformers' and
+    ComfyUI's layout) or ``model.`` (with the vision tower at ``visual.``)."""
+    return "model.language_model." if any(k.startswith("model.language_model.") for k in r.keys) else "model."
+
+
+def load_qwen3vl_text(path: PathLike, config: Any, dtype: torch.dtype, kinds: tuple[str, ...], what: str,
+                      hint: str) -> Any:
+    """Qwen3-VL's language model alone (Qwen3VLTextModel: what Qwen3VLModel runs for a text-only
+    input, with the same mRoPE positions) from ComfyUI's file (``model.language_model.*`` and
+    ``model.visual.*``, or ``model.*`` and ``visual.*``); the vision tower and an LM head are not read.
+    ``config``: a Qwen3VLConfig, a dict, or a folder (its ``text_encoder/``)."""
+    from transformers import Qwen3VLConfig, Qwen3VLTextModel
+
+    layout = expect(path, *kinds)
+    cfg = hf_config(Qwen3VLConfig, config, "text_encoder")
+    encoder = empty_model(lambda: Qwen3VLTextModel(cfg.text_config))
+    with open_file(path) as r:
+        prefix = qwen3vl_language_prefix(r)
+        keys = [k for k in r.with_prefix(prefix) if not k.startswith(("model.visual.", "model.language_model.visual."))]
+        ignored = sorted(set(r.with_prefix("")) - set(keys))
+        note_ignored(r.path, [k for k in ignored if "visual." not in k])  # (the vision tower: not needed for text)
+        state = {k[len(prefix):]: r.get(k, dtype) for k in keys}
+    return fill(encoder, state, path=layout.path, what=what, hint=hint)
