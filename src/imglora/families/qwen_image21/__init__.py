@@ -6,7 +6,8 @@ of mid-2026 predate it); ComfyUI loads its LoRAs onto the halves of its fused ML
 
 In this folder: the loss and text encoding (``model``), its section (``config``), the export form
 (``keys``), its ComfyUI workflow (``comfyui``), its tiny model (``tiny``), the shipped Qwen-Image 2.1
-architecture (``configs``). Made from ``families/_template``.
+architecture (``configs``), the single files ComfyUI users have (``singlefile``: the transformer, Qwen3-VL-8B
+and the VAE of Comfy-Org/Qwen-Image-2.1). Made from ``families/_template``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ...adapters import KINDS
 from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
-from . import comfyui, keys, model, tiny
+from . import comfyui, keys, model, singlefile, tiny
 from .config import QwenImage21Config
 
 if TYPE_CHECKING:
@@ -31,6 +32,15 @@ class QwenImage21Family:
     name = "qwen_image21"
     section = QwenImage21Config
     model_marker = "model_index.json"
+    # imglora fetch: bare single-file names and where they are published (repository, path, ComfyUI kind)
+    published_files = {
+        "qwen_image_2.1_bf16.safetensors": ("Comfy-Org/Qwen-Image-2.1", "diffusion_models/qwen_image_2.1_bf16.safetensors",
+                                            "diffusion_models"),
+        "qwen3vl_8b_bf16.safetensors": ("Comfy-Org/Qwen-Image-2.1", "text_encoders/qwen3vl_8b_bf16.safetensors",
+                                        "text_encoders"),
+        "qwen_image_2.1_vae_bf16.safetensors": ("Comfy-Org/Qwen-Image-2.1", "vae/qwen_image_2.1_vae_bf16.safetensors",
+                                                "vae"),
+    }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
     bucket_step = 32  # the VAE's 16× and the transformer's 2×2 image slots
@@ -66,20 +76,27 @@ class QwenImage21Family:
     def build_tiny(self, dest: Path, seed: int) -> None:
         tiny.build(dest, seed)
 
+    def resolve_files(self, model_cfg: Any, find: Any) -> "ModelSource":
+        return singlefile.resolve_files(model_cfg, find)
+
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return model.collate(entries)
 
     # -- cache ------------------------------------------------------------------------------
     def text_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "text_encoder", model.tokenizer_folder(src.root)]
+        return [src.root / "text_encoder", model.tokenizer_folder(src.root),
+                *([src.files["text_encoder"]] if src.files else [])]
 
     def vae_folders(self, src: "ModelSource") -> list[Path]:
-        return [src.root / "vae"]
+        return [src.root / "vae", *([src.files["vae"]] if src.files else [])]
 
     def load_vae(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import AutoencoderKLQwenImage21
 
-        vae = AutoencoderKLQwenImage21.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
+        if src.files:
+            vae = singlefile.load_vae(src, dtype)
+        else:
+            vae = AutoencoderKLQwenImage21.from_pretrained(src.root, subfolder="vae", torch_dtype=dtype)
         return own_module(vae).to(device).eval()
 
     @torch.no_grad()
@@ -92,17 +109,21 @@ class QwenImage21Family:
         return out
 
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
-        # Qwen3VLModel without the generation head (the pipeline's model less its lm_head: the same states).
+        # Qwen3VLModel without the generation head (the pipeline's model less its lm_head: the same states);
+        # from a file, its language model alone (a caption is text only; model.language_model finds its norm).
         from transformers import AutoTokenizer, Qwen3VLModel
 
         from transformers.utils import logging as hf_logging
 
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # (its report of the generation head it leaves unread)
-        try:
-            encoder = Qwen3VLModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
-        finally:
-            hf_logging.set_verbosity(level)
+        if src.files:
+            encoder = singlefile.load_text_encoder(src, dtype)
+        else:
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # (its report of the generation head it leaves unread)
+            try:
+                encoder = Qwen3VLModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
+            finally:
+                hf_logging.set_verbosity(level)
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_folder(src.root))
         return tokenizer, own_module(encoder).to(device).eval()
 
@@ -171,6 +192,9 @@ class QwenImage21Family:
     # -- export -------------------------------------------------------------------------------
     def export_tensors(self, modules: dict[str, Any], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return keys.tensors(modules, fmt, base)
+
+    def file_base_weights(self, src: "ModelSource", component: str, paths: list[str]) -> dict[str, torch.Tensor]:
+        return singlefile.base_weights(src, component, paths)
 
     def export_metadata(self, cfg: Any, record: dict[str, Any]) -> dict[str, Any]:
         return keys.metadata(cfg, record)

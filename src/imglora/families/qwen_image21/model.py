@@ -66,17 +66,19 @@ def shift_mu(root: Path | None) -> Callable[[int], float]:
     return lambda n: y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
-def _no_file(path: Path, root: Path, **_: Any) -> Any:
-    raise ModelSourceError(f"{path}: Qwen-Image 2.1 trains from a diffusers folder (Qwen/Qwen-Image-2.1); its "
-                           "ComfyUI single file is not read yet")
-
-
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
                    quantize_exclude: tuple[str, ...]) -> "QwenImage21Trainable":
-    """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it is read."""
+    """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it is
+    read (from a diffusers folder, or from ComfyUI's single file: ``singlefile.load_transformer``)."""
+    from functools import partial
+
+    from . import singlefile
+
     swapped = swapped_blocks(block_counts(src.root), cfg)
     transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
-                                                 model_class=MODEL_CLASS, file_reader=_no_file, blocks=BLOCKS)
+                                                 model_class=MODEL_CLASS,
+                                                 file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
+                                                 blocks=BLOCKS)
     trainable = _trainable(transformer, cfg, src.root)
     trainable.facts.update(facts)
     return trainable

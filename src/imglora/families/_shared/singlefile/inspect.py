@@ -19,8 +19,8 @@ from ....errors import ModelSourceError
 from ....models.safefiles import PathLike, Reader, is_side_key, open_file
 
 KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "qwen-image-transformer", "z-image-transformer",
-         "flux2-transformer", "krea2-transformer", "clip-l", "t5xxl", "qwen25-vl-7b", "qwen3-4b", "qwen3-8b",
-         "qwen3vl-4b", "qwen3vl-8b", "vae-sdxl", "vae-flux", "vae-flux2", "vae-qwen-image", "lora", "unknown")
+         "flux2-transformer", "krea2-transformer", "qwen-image-2.1-transformer", "clip-l", "t5xxl", "qwen25-vl-7b", "qwen3-4b", "qwen3-8b",
+         "qwen3vl-4b", "qwen3vl-8b", "vae-sdxl", "vae-flux", "vae-flux2", "vae-qwen-image", "vae-qwen-image-2.1", "lora", "unknown")
 
 UNET_PREFIX = "model.diffusion_model."
 CLIP_L_KEY = "text_model.encoder.layers.0.mlp.fc1.weight"
@@ -30,10 +30,13 @@ SGM_VAE = "first_stage_model."
 FLUX_KEY = "double_blocks.0.img_attn.norm.key_norm.scale"
 T5_KEY = "encoder.block.0.layer.1.DenseReluDense.wi_1.weight"
 QWEN_IMAGE_KEY = "txt_norm.weight"  # ComfyUI's test for Qwen-Image (model_detection.py)
+# diffusers' test for Qwen-Image 2.1 (CHECKPOINT_KEY_NAMES["qwen-image-2.1"]): its text embedder's norm
+QWEN_IMAGE21_KEY = "txt_in.text_norm.weight"
 QWEN25_KEY = "model.layers.0.self_attn.k_proj.bias"  # ComfyUI's test for Qwen2.5 (sd.py::detect_te_model)
 Z_IMAGE_KEY = "layers.0.adaLN_modulation.0.weight"  # diffusers' test for Z-Image (Lumina 2's is ...modulation.1)
 QWEN3_KEY = "model.layers.0.self_attn.q_norm.weight"  # Qwen3's attention has q/k norms (Qwen2.5's has biases)
 WAN21_VAE_KEY = "decoder.middle.0.residual.0.gamma"  # ComfyUI's test for Wan's VAE (sd.py)
+WAN22_VAE_KEY = "decoder.upsamples.0.upsamples.0.residual.2.weight"  # ComfyUI's test for Wan 2.2's nested layout
 FLUX2_KEY = "double_stream_modulation_img.lin.weight"  # FLUX.2's shared modulation (FLUX.1 has one per block)
 # FLUX.2's sizes by txt_in's input width (three of the text encoder's layers side by side)
 FLUX2_VARIANTS = {7680: "klein-4b", 12288: "klein-9b", 15360: "dev"}
@@ -151,10 +154,13 @@ def classify(r: Reader) -> Layout:
                           fp8=fp8(blocks), scaled=scaled, note=note, **base)
 
     for prefix in ("", UNET_PREFIX):
+        # Qwen-Image 2.1 first: diffusers' module names (its MLP's gate and up fused by ComfyUI), and no
+        # txt_norm, but tested before Qwen-Image so that a file with both never reads as Qwen-Image.
+        if prefix + QWEN_IMAGE21_KEY in keys:
+            return Layout(kind="qwen-image-2.1-transformer", prefix=prefix, parts=("transformer",),
+                          fp8=fp8(r.with_prefix(prefix + "transformer_blocks.")), scaled=scaled,
+                          note="Qwen-Image 2.1's, not Qwen-Image's", **base)
         if prefix + QWEN_IMAGE_KEY in keys and prefix + "transformer_blocks.0.img_mod.1.weight" in keys:
-            if prefix + "txt_in.text_norm.weight" in keys:
-                return Layout(kind="unknown", prefix=prefix, note="a Qwen-Image 2.1 transformer; imglora trains "
-                              "Qwen-Image", **base)
             return Layout(kind="qwen-image-transformer", prefix=prefix, parts=("transformer",),
                           fp8=fp8(r.with_prefix(prefix + "transformer_blocks.")), scaled=scaled, **base)
 
@@ -173,7 +179,7 @@ def classify(r: Reader) -> Layout:
             size = QWEN3_SIZES.get(width)
             if size is None:
                 return Layout(kind="unknown", prefix=language, note=f"a Qwen3-VL of width {width} (Krea 2 reads "
-                              "Qwen3-VL-4B, width 2560)", **base)
+                              "Qwen3-VL-4B, width 2560; Qwen-Image 2.1 Qwen3-VL-8B, width 4096)", **base)
             return Layout(kind=f"qwen3vl-{size}", prefix=language, fp8=fp8(r.keys), scaled=scaled, **base)
 
     if QWEN3_KEY in keys and "model.embed_tokens.weight" in keys:
@@ -193,8 +199,17 @@ def classify(r: Reader) -> Layout:
         return Layout(kind="qwen25-vl-7b", fp8=fp8(r.keys), scaled=scaled, **base)
 
     if WAN21_VAE_KEY in keys:
-        if "decoder.upsamples.0.upsamples.0.residual.2.weight" in keys:
-            return Layout(kind="unknown", note="Wan 2.2's VAE (48 latent channels); Qwen-Image uses Wan 2.1's", **base)
+        if WAN22_VAE_KEY in keys:
+            # Wan 2.2's nested layout: Wan 2.2's own VAE (48 latent channels, 2x2 patches: 12 pixel channels) or
+            # Qwen-Image 2.1's (64 latent channels, RGBA: 4), told apart by the shapes of conv2 and the decoder's head
+            latent = r.shape("conv2.weight")[0] if "conv2.weight" in keys else 0
+            pixels = r.shape("decoder.head.2.weight")[0] if "decoder.head.2.weight" in keys else 0
+            if (latent, pixels) == (64, 4):
+                return Layout(kind="vae-qwen-image-2.1", note="Wan 2.2's nested layout, which Qwen-Image 2.1's "
+                              "RGBA VAE has", **base)
+            return Layout(kind="unknown", note=f"a VAE in Wan 2.2's layout with {latent} latent and {pixels} pixel "
+                          "channels (Wan 2.2's has 48 and 12; Qwen-Image uses Wan 2.1's VAE, Qwen-Image 2.1 its own "
+                          "of 64 and 4)", **base)
         return Layout(kind="vae-qwen-image", note="Wan 2.1's VAE layout, which Qwen-Image's VAE has", **base)
 
     for prefix in ("", "text_encoders.clip_l.transformer."):
@@ -251,13 +266,15 @@ _WANTED = {
     "vae-flux2": "FLUX.2's VAE (flux2-vae.safetensors)",
     "krea2-transformer": "a Krea 2 transformer (e.g. krea2_raw_bf16.safetensors)",
     "qwen3vl-4b": "Qwen3-VL-4B, Krea 2's text encoder (e.g. qwen3vl_4b_bf16.safetensors)",
-    "qwen3vl-8b": "Qwen3-VL-8B (e.g. qwen3vl_8b_bf16.safetensors)",
+    "qwen3vl-8b": "Qwen3-VL-8B, Qwen-Image 2.1's text encoder (e.g. qwen3vl_8b_bf16.safetensors)",
+    "qwen-image-2.1-transformer": "a Qwen-Image 2.1 transformer (e.g. qwen_image_2.1_bf16.safetensors)",
+    "vae-qwen-image-2.1": "Qwen-Image 2.1's VAE (qwen_image_2.1_vae_bf16.safetensors)",
 }
 
 
 FAMILY_OF = {"sdxl-checkpoint": "sdxl", "flux-transformer": "flux", "chroma-transformer": "chroma",
              "qwen-image-transformer": "qwen_image", "z-image-transformer": "z_image", "flux2-transformer": "flux2",
-             "krea2-transformer": "krea2"}  # a base model file -> the family that trains it
+             "krea2-transformer": "krea2", "qwen-image-2.1-transformer": "qwen_image21"}  # a base model file -> the family that trains it
 
 
 def expect(path: PathLike, *kinds: str, also: tuple[str, ...] = ()) -> Layout:
