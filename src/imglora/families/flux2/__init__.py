@@ -134,7 +134,7 @@ class Flux2Family:
         return out
 
     def load_text_encoders(self, src: "ModelSource", device: torch.device, dtype: torch.dtype) -> Any:
-        from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+        from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
         kind = model.variant(src.root)
         if kind == "klein" and src.files:  # (FLUX.2 [dev] from files reads Mistral from model.config's folder)
@@ -146,7 +146,7 @@ class Flux2Family:
         else:
             encoder = Mistral3ForConditionalGeneration.from_pretrained(src.root, subfolder="text_encoder",
                                                                        torch_dtype=dtype)
-            tokenizer = AutoProcessor.from_pretrained(src.root, subfolder="tokenizer")
+            tokenizer = model.mistral_tokenizer(src.root / "tokenizer")
         return tokenizer, own_module(encoder).to(device).eval(), kind
 
     @torch.no_grad()
@@ -158,7 +158,7 @@ class Flux2Family:
         tokenizer, _, kind = encoders
         if kind == "klein":
             return {"Qwen3": (len(tokenizer(model.KLEIN_TEMPLATE.format(caption)).input_ids), max_length)}
-        return {"Mistral": (len(tokenizer.tokenizer(caption).input_ids), max_length)}
+        return {"Mistral": (len(tokenizer(caption, add_special_tokens=False).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
     def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:

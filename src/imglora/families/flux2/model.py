@@ -149,6 +149,27 @@ def synthetic_batch(trainable: "Flux2Trainable", resolution: int, cfg: Any,
     }.items()}
 
 
+def mistral_tokenizer(folder: Path) -> Any:
+    """[dev]'s tokenizer with its chat template, without the Pixtral processor around it: for text
+    alone the processor renders the same template and tokenizes with this tokenizer (and
+    transformers builds that processor only with torchvision, which nothing else here needs)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not tokenizer.chat_template:  # (kept beside the processor's config rather than the tokenizer's)
+        for name in ("chat_template.jinja", "chat_template.json"):
+            path = folder / name
+            if path.is_file():
+                text = path.read_text(encoding="utf-8")
+                tokenizer.chat_template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+                break
+        else:
+            raise ModelSourceError(f"{folder}: no chat template for Mistral's tokenizer (chat_template.jinja, "
+                                   "chat_template.json or the tokenizer's config); FLUX.2 [dev]'s captions are "
+                                   "encoded inside it")
+    return tokenizer
+
+
 def encode_caption(tokenizer: Any, encoder: Any, caption: str, max_length: int, kind: str) -> torch.Tensor:
     """[max_length, 3·hidden]: the caption's states as the pipeline encodes one prompt: Klein's
     Qwen3 chat template (thinking off) or dev's system message and Mistral chat template, padded to
