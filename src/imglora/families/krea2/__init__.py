@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...adapters import KINDS
-from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
+from .._shared import one_stream
 from . import comfyui, keys, model, singlefile, tiny
 from .config import Krea2Config
 
@@ -151,11 +151,7 @@ class Krea2Family:
         return cfg.replace(memory={"blocks_to_swap": n})
 
     def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
-        n = cfg.memory.blocks_to_swap
-        if n > lengths[0]:
-            raise ImgloraError(f"memory.blocks_to_swap = {n}, but Krea 2 has only {lengths[0]} blocks; the largest "
-                               f"valid number is {lengths[0]}")
-        return [n]
+        return [one_stream.checked_count(cfg.memory.blocks_to_swap, lengths[0], "Krea 2")]
 
     # -- evaluation -------------------------------------------------------------------------
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:

@@ -16,15 +16,13 @@ packed in 2×2 patches; the loss is FLUX.1's flow matching (the transformer is g
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...memory.swap import swap_mask
 from ...models.tiny import random_init
-from .._shared import stream
+from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, noised
 
 if TYPE_CHECKING:
@@ -45,23 +43,16 @@ PLAN_TEXT_TOKENS = 256
 
 
 def block_counts(root: Path) -> list[int]:
-    c = json.loads((root / "transformer" / "config.json").read_text())
-    return [int(c.get("num_layers", 28))]
+    return [one_stream.block_count(root, 28)]
 
 
 def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    n = min(cfg.memory.blocks_to_swap, lengths[0])
-    return {("block", i) for i, swapped in enumerate(swap_mask(lengths[0], n)) if swapped}
+    return one_stream.swapped_blocks(lengths[0], cfg)
 
 
 def shift_mu(root: Path | None) -> Callable[[int], float]:
     """The pipeline's shift: mu linear in the image's token count, from the model's scheduler config."""
-    path = next(p for p in ((root / "scheduler" / "scheduler_config.json") if root else None,
-                            CONFIGS / "scheduler" / "scheduler_config.json") if p is not None and p.is_file())
-    c = json.loads(path.read_text())
-    x0, x1 = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 6400)
-    y0, y1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
-    return lambda n: y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+    return one_stream.scheduler_shift(root, CONFIGS, default_max=(6400, 1.15))
 
 
 def keep_fp32(transformer: Any) -> Any:
@@ -138,21 +129,7 @@ def synthetic_batch(trainable: "Krea2Trainable", resolution: int, cfg: Any, devi
     }.items()}
 
 
-def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a bucket's entries; captions of other lengths are right-padded with zeros and a
-    ``prompt_mask`` marks their tokens (the transformer masks the rest, as the pipeline's padding)."""
-    from ...data.batches import stack
-
-    lengths = [e["prompt_embeds"].shape[0] for e in entries]
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return stack(entries)
-    padded = []
-    for e, k in zip(entries, lengths):
-        embeds = e["prompt_embeds"]
-        padded.append({**e, "prompt_embeds": torch.cat([embeds, embeds.new_zeros(longest - k, *embeds.shape[1:])]),
-                       "prompt_mask": torch.arange(longest) < k})
-    return stack(padded)
+collate = one_stream.collate_captions  # (the transformer masks the padding, as the pipeline's)
 
 
 def encode_caption(tokenizer: Any, encoder: Any, caption: str, max_length: int) -> torch.Tensor:

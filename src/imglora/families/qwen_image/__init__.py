@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...adapters import KINDS
-from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
+from .._shared import one_stream
 from . import comfyui, keys, model, singlefile, tiny
 from .config import QwenImageConfig
 
@@ -166,11 +166,8 @@ class QwenImageFamily:
         return cfg.replace(memory={"blocks_to_swap": n})  # (Qwen-Image has one count: no per-list keys)
 
     def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
-        n = cfg.memory.blocks_to_swap
-        if n > lengths[0]:
-            raise ImgloraError(f"memory.blocks_to_swap = {n}, but Qwen-Image has only {lengths[0]} blocks (it counts "
-                               f"blocks one by one); the largest valid number is {lengths[0]}")
-        return [n]
+        return [one_stream.checked_count(cfg.memory.blocks_to_swap, lengths[0], "Qwen-Image",
+                                         "blocks (it counts blocks one by one)")]
 
     # -- evaluation -------------------------------------------------------------------------
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:

@@ -12,15 +12,13 @@ mask, so batch size 1 runs the unmasked attention kernels, as the pipeline does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...memory.swap import swap_mask
 from ...models.tiny import random_init
-from .._shared import stream
+from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, noised
 
 if TYPE_CHECKING:
@@ -41,30 +39,18 @@ PLAN_TEXT_TOKENS = 256  # a long caption's tokens (and the closing ones), for pl
 
 
 def block_counts(root: Path) -> list[int]:
-    c = json.loads((root / "transformer" / "config.json").read_text())
-    return [int(c.get("num_layers", 60))]
+    return [one_stream.block_count(root, 60)]
 
 
 def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
     """The ("block", index) of every block ``memory.blocks_to_swap`` keeps on the host (the last ones)."""
-    n = min(cfg.memory.blocks_to_swap, lengths[0])
-    return {("block", i) for i, swapped in enumerate(swap_mask(lengths[0], n)) if swapped}
+    return one_stream.swapped_blocks(lengths[0], cfg)
 
 
 def shift_mu(root: Path | None) -> Callable[[int], float]:
-    """The scheduler's dynamic shift as QwenImagePipeline computes it (``calculate_shift``): mu linear
-    in the image's token count from (base_image_seq_len, base_shift) to (max_image_seq_len,
-    max_shift), read from the model's scheduler config (the shipped one if it has none)."""
-    path = next(p for p in ((root / "scheduler" / "scheduler_config.json") if root else None,
-                            CONFIGS / "scheduler" / "scheduler_config.json") if p is not None and p.is_file())
-    c = json.loads(path.read_text())
-    x0, x1 = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-    y0, y1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
-
-    def mu(image_seq_len: int) -> float:
-        return y0 + (y1 - y0) * (image_seq_len - x0) / (x1 - x0)
-
-    return mu
+    """The scheduler's dynamic shift as QwenImagePipeline computes it (``calculate_shift``), read from
+    the model's scheduler config (the shipped one if it has none)."""
+    return one_stream.scheduler_shift(root, CONFIGS)
 
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
@@ -161,22 +147,7 @@ def unused_outputs(transformer: Any) -> list[str]:
             f"{last}.txt_mlp.net.2"]
 
 
-def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a bucket's entries; captions of different lengths are right-padded with zeros (as the
-    pipeline pads a batch of prompts) and a ``prompt_mask`` marks their tokens. Made on the host, so
-    the step needs no data-dependent decision on the device."""
-    from ...data.batches import stack
-
-    lengths = [e["prompt_embeds"].shape[0] for e in entries]
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return stack(entries)
-    padded = []
-    for e, k in zip(entries, lengths):
-        embeds = e["prompt_embeds"]
-        padded.append({**e, "prompt_embeds": torch.cat([embeds, embeds.new_zeros(longest - k, embeds.shape[1])]),
-                       "prompt_mask": torch.arange(longest) < k})
-    return stack(padded)
+collate = one_stream.collate_captions  # (as the pipeline pads a batch of prompts)
 
 
 def encode_caption(tokenizer: Any, encoder: Any, caption: str, max_length: int) -> torch.Tensor:

@@ -15,21 +15,14 @@ from typing import Any
 
 import torch
 
-from ...adapters.forms import Module, comfy_tensors
-from ...errors import ImgloraError
-from ...export.writer import add_unique
+from ...adapters.forms import Module
+from .._shared import one_stream
 
 FORMATS = ("default",)
 
 
 def tensors(modules: dict[str, Module], fmt: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for module, m in modules.items():
-        component, path = module.split(".", 1)
-        if component != "transformer":
-            raise ImgloraError(f"{module}: Qwen-Image 2.1 adapters export the transformer's modules only")
-        add_unique(out, {f"transformer.{path}.{k}": v for k, v in comfy_tensors(m, base.get(module)).items()})
-    return out
+    return one_stream.transformer_tensors(modules, base, "Qwen-Image 2.1")
 
 
 def metadata(cfg: Any, record: dict[str, Any]) -> dict[str, Any]:

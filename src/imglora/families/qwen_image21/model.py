@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...errors import ModelSourceError
-from ...memory.swap import swap_mask
 from ...models.tiny import random_init
 from ...util.rng import draws
-from .._shared import stream
+from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, sample_sigmas
 
 if TYPE_CHECKING:
@@ -47,23 +46,16 @@ TOKENS_PER_SLOT = 4  # each of the transformer's image slots stands for 2×2 lat
 
 
 def block_counts(root: Path) -> list[int]:
-    c = json.loads((root / "transformer" / "config.json").read_text())
-    return [int(c.get("num_layers", 32))]
+    return [one_stream.block_count(root, 32)]
 
 
 def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    n = min(cfg.memory.blocks_to_swap, lengths[0])
-    return {("block", i) for i, swapped in enumerate(swap_mask(lengths[0], n)) if swapped}
+    return one_stream.swapped_blocks(lengths[0], cfg)
 
 
 def shift_mu(root: Path | None) -> Callable[[int], float]:
     """The pipeline's shift: mu linear in the image's token count, from the model's scheduler config."""
-    path = next(p for p in ((root / "scheduler" / "scheduler_config.json") if root else None,
-                            CONFIGS / "scheduler" / "scheduler_config.json") if p is not None and p.is_file())
-    c = json.loads(path.read_text())
-    x0, x1 = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-    y0, y1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
-    return lambda n: y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+    return one_stream.scheduler_shift(root, CONFIGS)
 
 
 def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
@@ -147,21 +139,7 @@ def synthetic_batch(trainable: "QwenImage21Trainable", resolution: int, cfg: Any
     }.items()}
 
 
-def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a bucket's entries; captions of other lengths are right-padded with zeros and a
-    ``prompt_mask`` marks their tokens (the pipeline's own layout for a batch of prompts)."""
-    from ...data.batches import stack
-
-    lengths = [e["prompt_embeds"].shape[0] for e in entries]
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return stack(entries)
-    padded = []
-    for e, k in zip(entries, lengths):
-        embeds = e["prompt_embeds"]
-        padded.append({**e, "prompt_embeds": torch.cat([embeds, embeds.new_zeros(longest - k, *embeds.shape[1:])]),
-                       "prompt_mask": torch.arange(longest) < k})
-    return stack(padded)
+collate = one_stream.collate_captions  # (the pipeline's layout for a batch of prompts)
 
 
 def system_tokens(tokenizer: Any) -> int:

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...adapters import KINDS
-from ...errors import ImgloraError
 from ...util.owned import own_module
 from .._shared import diffusers_image as common
+from .._shared import one_stream
 from . import comfyui, keys, model, singlefile, tiny
 from .config import ZImageConfig
 
@@ -148,11 +148,8 @@ class ZImageFamily:
         return cfg.replace(memory={"blocks_to_swap": n})  # (one count: no per-list keys)
 
     def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
-        n = cfg.memory.blocks_to_swap
-        if n > lengths[2]:
-            raise ImgloraError(f"memory.blocks_to_swap = {n}, but Z-Image has only {lengths[2]} main blocks (the "
-                               f"refiner blocks stay on the GPU); the largest valid number is {lengths[2]}")
-        return [0, 0, n]
+        return [0, 0, one_stream.checked_count(cfg.memory.blocks_to_swap, lengths[2], "Z-Image",
+                                               "main blocks (the refiner blocks stay on the GPU)")]
 
     # -- evaluation -------------------------------------------------------------------------
     def encode_prompts(self, src: "ModelSource", prompts: list[str], cfg: Any, device: torch.device) -> list[Any]:

@@ -25,7 +25,7 @@ import torch
 
 from ...memory.swap import swap_mask
 from ...models.tiny import random_init
-from .._shared import stream
+from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, noised, pack_latents
 
 if TYPE_CHECKING:
@@ -130,21 +130,7 @@ def synthetic_batch(trainable: "ZImageTrainable", resolution: int, cfg: Any,
     }.items()}
 
 
-def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a bucket's entries; captions of different lengths are right-padded with zeros and a
-    ``prompt_mask`` marks their tokens (the loss hands the transformer each caption unpadded)."""
-    from ...data.batches import stack
-
-    lengths = [e["prompt_embeds"].shape[0] for e in entries]
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return stack(entries)
-    padded = []
-    for e, k in zip(entries, lengths):
-        embeds = e["prompt_embeds"]
-        padded.append({**e, "prompt_embeds": torch.cat([embeds, embeds.new_zeros(longest - k, embeds.shape[1])]),
-                       "prompt_mask": torch.arange(longest) < k})
-    return stack(padded)
+collate = one_stream.collate_captions  # (the loss hands the transformer each caption unpadded)
 
 
 def encode_caption(tokenizer: Any, encoder: Any, caption: str, max_length: int) -> torch.Tensor:
