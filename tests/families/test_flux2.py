@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,14 @@ from safetensors.torch import load_file
 import comfy_math as comfy
 from comfy_nodes import validate_prompt
 from imglora.adapters import inject as lora
-from imglora.commands.common import load_config
 from imglora.commands.export import export as export_run
-from imglora.commands.train import train
-from imglora.data import cache
 from imglora.errors import ImgloraError, ModelSourceError
 from imglora.families import registry
 from imglora.families._shared import flow_matching
 from imglora.families.flux2 import model as f2
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,47 +35,16 @@ PRESET = REPO / "presets" / "tiny-flux2.toml"
 q = lambda p: json.dumps(str(p))  # noqa: E731
 
 
-def copy_images(dest: Path, sample_dataset: Path, stems=("01_sky", "03_table")) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for stem in stems:
-        for f in sample_dataset.glob(f"{stem}.*"):
-            shutil.copy(f, dest / f.name)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, sample_dataset: Path):
-    root = tmp_path_factory.mktemp("f2-prepared")
-    data = copy_images(root / "data", sample_dataset)
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}",
-                               f"run.output_dir={q(root / 'runs')}", "memory.fp8=false",
-                               "memory.blocks_to_swap=0", "data.buckets=false"])
-    family = registry.get("flux2")
-    src = resolve_model(cfg.model.path, family)
-    the_plan, _ = cache.fill_cache(cfg, family, src, "cpu", progress=False)
-    samples = cache.load_samples(cfg, family, src, "cpu", the_plan)
-    return cfg, family, src, [s.variants[0] for s in samples]
+    return fr.prepared(tmp_path_factory.mktemp("f2-prepared"), sample_dataset, PRESET, "flux2")
 
 
 @pytest.fixture(scope="module")
 def pipe(prepared):
     from diffusers import Flux2KleinPipeline
 
-    _, _, src, _ = prepared
-    pipe = Flux2KleinPipeline.from_pretrained(src.root)
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            own_module(component)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-class Fixed:
-    def __init__(self, noise: torch.Tensor, sigma: torch.Tensor):
-        self.noise, self.sigma = noise, sigma
-
-    def randn(self, shape, device=None, dtype=None):
-        return self.noise.reshape(shape) if len(shape) > 1 else torch.logit(self.sigma)  # sigmoid(logit) = sigma
+    return fr.owned(Flux2KleinPipeline.from_pretrained(prepared[2].root))
 
 
 def test_captions_are_the_pipelines_states_and_latents_its_normalised_patches(prepared, pipe) -> None:
@@ -129,8 +95,8 @@ def test_the_loss_is_the_pipelines_prediction_of_the_flow(prepared, pipe, monkey
     shifted = torch.tensor([float(torch.exp(torch.tensor(mu)) / (torch.exp(torch.tensor(mu)) + (1 / 0.6 - 1)))])
     with torch.no_grad():
         want = reference_loss(pipe, trainable.model, x0, noise, shifted, entry["prompt_embeds"][None])
-        monkeypatch.setattr(f2, "draws", lambda g: Fixed(f2.tokens(noise), sigma))
-        monkeypatch.setattr(flow_matching, "draws", lambda g: Fixed(f2.tokens(noise), sigma))
+        monkeypatch.setattr(f2, "draws", lambda g: fr.Fixed(f2.tokens(noise), sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda g: fr.Fixed(f2.tokens(noise), sigma))
         got = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     # σ is computed in float32 here and from Python floats there: a few float32 ulps of the loss.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
@@ -154,8 +120,8 @@ def test_dev_feeds_its_guidance_embedding_one(prepared, pipe, monkeypatch) -> No
     with torch.no_grad():
         one = reference_loss(pipe, dev, x0, noise, sigma, entry["prompt_embeds"][None], torch.tensor([1.0]))
         four = reference_loss(pipe, dev, x0, noise, sigma, entry["prompt_embeds"][None], torch.tensor([4.0]))
-        monkeypatch.setattr(f2, "draws", lambda g: Fixed(f2.tokens(noise), sigma))
-        monkeypatch.setattr(flow_matching, "draws", lambda g: Fixed(f2.tokens(noise), sigma))
+        monkeypatch.setattr(f2, "draws", lambda g: fr.Fixed(f2.tokens(noise), sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda g: fr.Fixed(f2.tokens(noise), sigma))
         got = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     torch.testing.assert_close(got, one, rtol=1e-6, atol=0)
     assert not torch.allclose(got, four)
@@ -257,22 +223,7 @@ def comfy_weights(transformer) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def typed_runs(tmp_path_factory, sample_dataset):
-    made: dict[str, tuple] = {}
-
-    def get(kind: str):
-        if kind not in made:
-            root = tmp_path_factory.mktemp(f"f2-{kind}")
-            data = copy_images(root / "data", sample_dataset, ("01_sky", "02_grass"))
-            extra = {"oft": ["lora.rank=4", "lora.alpha=0"], "lokr": ["lora.rank=4", "lora.factor=4"]}.get(
-                kind, ["lora.rank=4", "lora.alpha=6"])
-            cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}",
-                                       f"run.output_dir={q(root / 'runs')}", "train.max_steps=2", "train.warmup_steps=0",
-                                       "train.checkpoint_every=1", f'lora.type="{kind}"', *extra])
-            train(cfg, out=lambda s: None)
-            made[kind] = (cfg, cfg.run_dir)
-        return made[kind]
-
-    return get
+    return fr.typed_runs(tmp_path_factory, sample_dataset, PRESET, "f2")
 
 
 @pytest.mark.parametrize("kind", ["dora", pytest.param("lora", marks=pytest.mark.slow),
@@ -332,14 +283,9 @@ def test_every_key_maps_in_comfyui_and_patches_bfls_weights_as_trained(typed_run
 
 @pytest.fixture(scope="module")
 def f2_run(tmp_path_factory, sample_dataset):
-    root = tmp_path_factory.mktemp("f2-run")
-    data = copy_images(root / "data", sample_dataset, ("01_sky", "02_grass", "03_table", "04_wall"))
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}", f"run.output_dir={q(root / 'runs')}",
-                               "data.buckets=false", "data.resolution=64", "train.batch_size=2", "train.max_steps=4",
-                               "train.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=2",
-                               "eval.strengths=[0, 1]", "eval.sample_steps=2"])
+    cfg, result = fr.four_update_run(tmp_path_factory.mktemp("f2-run"), sample_dataset, PRESET)
     assert cfg.memory.fp8 and cfg.memory.blocks_to_swap == 1
-    return cfg, train(cfg, out=lambda s: None)
+    return cfg, result
 
 
 def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(f2_run, tmp_path: Path) -> None:

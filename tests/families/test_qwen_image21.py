@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,29 +20,19 @@ from safetensors.torch import load_file
 import comfy_math as comfy
 from comfy_nodes import validate_prompt
 from imglora.adapters import inject as lora
-from imglora.commands.common import load_config
 from imglora.commands.export import export as export_run
-from imglora.commands.train import train
-from imglora.data import cache
 from imglora.errors import ImgloraError
 from imglora.families import registry
 from imglora.families._shared import flow_matching
 from imglora.families.qwen_image21 import model as q21
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-qwen-image21.toml"
 q = lambda p: json.dumps(str(p))  # noqa: E731
-
-
-def copy_images(dest: Path, sample_dataset: Path, stems=("01_sky", "03_table")) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for stem in stems:
-        for f in sample_dataset.glob(f"{stem}.*"):
-            shutil.copy(f, dest / f.name)
-    return dest
 
 
 def tiny_pipeline():
@@ -60,29 +49,12 @@ def tiny_pipeline():
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, sample_dataset: Path):
-    root = tmp_path_factory.mktemp("q21-prepared")
-    data = copy_images(root / "data", sample_dataset)
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}",
-                               f"run.output_dir={q(root / 'runs')}", "memory.fp8=false",
-                               "memory.blocks_to_swap=0", "data.buckets=false"])
-    family = registry.get("qwen_image21")
-    src = resolve_model(cfg.model.path, family)
-    the_plan, _ = cache.fill_cache(cfg, family, src, "cpu", progress=False)
-    samples = cache.load_samples(cfg, family, src, "cpu", the_plan)
-    return cfg, family, src, [s.variants[0] for s in samples]
+    return fr.prepared(tmp_path_factory.mktemp("q21-prepared"), sample_dataset, PRESET, "qwen_image21")
 
 
 @pytest.fixture(scope="module")
 def pipe(prepared):
     return tiny_pipeline()
-
-
-class Fixed:
-    def __init__(self, noise: torch.Tensor, sigma: torch.Tensor):
-        self.noise, self.sigma = noise, sigma
-
-    def randn(self, shape, device=None, dtype=None):
-        return self.noise.reshape(shape) if len(shape) > 1 else torch.logit(self.sigma)  # sigmoid(logit) = sigma
 
 
 def test_captions_are_the_pipelines_and_latents_its_rgba_encoding(prepared, pipe) -> None:
@@ -147,8 +119,8 @@ def test_the_loss_is_the_pipelines_step(prepared, pipe, monkeypatch) -> None:
                               encoder_hidden_states_mask=None, timestep=sig, img_shapes=[[(1, h, w)]],
                               img_mask=img_mask, return_dict=False)[0]
         want = torch.nn.functional.mse_loss(out[:, -x0.shape[1]:], noise - x0)
-        monkeypatch.setattr(flow_matching, "draws", lambda g: Fixed(noise, sigma))
-        monkeypatch.setattr(q21, "draws", lambda g: Fixed(noise, sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda g: fr.Fixed(noise, sigma))
+        monkeypatch.setattr(q21, "draws", lambda g: fr.Fixed(noise, sigma))
         got = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
         assert torch.equal(got, want)  # the same calls on the same tensors
         # the output's first rows are the caption's: a loss on them is not the pipeline's
@@ -235,22 +207,7 @@ def base_transformer():
 
 @pytest.fixture(scope="module")
 def typed_runs(tmp_path_factory, sample_dataset):
-    made: dict[str, tuple] = {}
-
-    def get(kind: str):
-        if kind not in made:
-            root = tmp_path_factory.mktemp(f"q21-{kind}")
-            data = copy_images(root / "data", sample_dataset, ("01_sky", "02_grass"))
-            extra = {"oft": ["lora.rank=4", "lora.alpha=0"], "lokr": ["lora.rank=4", "lora.factor=4"]}.get(
-                kind, ["lora.rank=4", "lora.alpha=6"])
-            cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}",
-                                       f"run.output_dir={q(root / 'runs')}", "train.max_steps=2", "train.warmup_steps=0",
-                                       "train.checkpoint_every=1", f'lora.type="{kind}"', *extra])
-            train(cfg, out=lambda s: None)
-            made[kind] = (cfg, cfg.run_dir)
-        return made[kind]
-
-    return get
+    return fr.typed_runs(tmp_path_factory, sample_dataset, PRESET, "q21")
 
 
 @pytest.mark.parametrize("kind", ["lora", pytest.param("lokr", marks=pytest.mark.slow),
@@ -308,14 +265,9 @@ def test_every_key_maps_in_comfyui_and_patches_the_fused_weights_as_trained(type
 
 @pytest.fixture(scope="module")
 def q21_run(tmp_path_factory, sample_dataset):
-    root = tmp_path_factory.mktemp("q21-run")
-    data = copy_images(root / "data", sample_dataset, ("01_sky", "02_grass", "03_table", "04_wall"))
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}", f"run.output_dir={q(root / 'runs')}",
-                               "data.buckets=false", "data.resolution=64", "train.batch_size=2", "train.max_steps=4",
-                               "train.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=2",
-                               "eval.strengths=[0, 1]", "eval.sample_steps=2"])
+    cfg, result = fr.four_update_run(tmp_path_factory.mktemp("q21-run"), sample_dataset, PRESET)
     assert cfg.memory.fp8 and cfg.memory.blocks_to_swap == 1
-    return cfg, train(cfg, out=lambda s: None)
+    return cfg, result
 
 
 def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(q21_run, tmp_path: Path) -> None:

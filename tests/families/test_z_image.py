@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,14 @@ from safetensors.torch import load_file
 import comfy_math as comfy
 from comfy_nodes import validate_prompt
 from imglora.adapters import inject as lora
-from imglora.commands.common import load_config
 from imglora.commands.export import export as export_run
-from imglora.commands.train import train
-from imglora.data import cache
 from imglora.errors import ImgloraError
 from imglora.families import registry
 from imglora.families._shared import flow_matching
 from imglora.families.z_image import model as z_model
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,47 +34,16 @@ PRESET = REPO / "presets" / "tiny-z-image.toml"
 q = lambda p: json.dumps(str(p))  # noqa: E731
 
 
-def copy_images(dest: Path, sample_dataset: Path, stems=("01_sky", "03_table")) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for stem in stems:
-        for f in sample_dataset.glob(f"{stem}.*"):
-            shutil.copy(f, dest / f.name)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, sample_dataset: Path):
-    root = tmp_path_factory.mktemp("z-prepared")
-    data = copy_images(root / "data", sample_dataset)
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}",
-                               f"run.output_dir={q(root / 'runs')}", "memory.fp8=false",
-                               "memory.blocks_to_swap=0", "data.buckets=false"])
-    family = registry.get("z_image")
-    src = resolve_model(cfg.model.path, family)
-    the_plan, _ = cache.fill_cache(cfg, family, src, "cpu", progress=False)
-    samples = cache.load_samples(cfg, family, src, "cpu", the_plan)
-    return cfg, family, src, [s.variants[0] for s in samples]
+    return fr.prepared(tmp_path_factory.mktemp("z-prepared"), sample_dataset, PRESET, "z_image")
 
 
 @pytest.fixture(scope="module")
 def pipe(prepared):
     from diffusers import ZImagePipeline
 
-    _, _, src, _ = prepared
-    pipe = ZImagePipeline.from_pretrained(src.root)
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            own_module(component)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-class Fixed:
-    def __init__(self, noise: torch.Tensor, sigma: torch.Tensor):
-        self.noise, self.sigma = noise, sigma
-
-    def randn(self, shape, device=None, dtype=None):
-        return self.noise.reshape(shape) if len(shape) > 1 else torch.logit(self.sigma)  # sigmoid(logit) = sigma
+    return fr.owned(ZImagePipeline.from_pretrained(prepared[2].root))
 
 
 def test_captions_are_the_pipelines_embeddings_and_latents_the_training_scripts(prepared, pipe) -> None:
@@ -133,7 +99,7 @@ def test_the_loss_is_the_pipelines_prediction_of_the_flow(prepared, monkeypatch)
     with torch.no_grad():
         want = reference_loss(trainable.model, x0, noise, shifted, [entry["prompt_embeds"]])
         # ours draws its noise in the packed layout: the same values, as packed tokens
-        monkeypatch.setattr(flow_matching, "draws", lambda g: Fixed(flow_matching.pack_latents(noise), sigma))
+        monkeypatch.setattr(flow_matching, "draws", lambda g: fr.Fixed(flow_matching.pack_latents(noise), sigma))
         got = trainable.loss({k: v[None] for k, v in entry.items()}, torch.Generator())
     # σ is computed in float32 here and from Python floats there: a last-bit difference in σ moves the
     # loss by a few float32 ulps.
@@ -161,7 +127,7 @@ def test_captions_of_other_lengths_are_padded_and_each_sample_sees_its_own(prepa
     def loss(items: list[dict], rows: slice) -> torch.Tensor:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(flow_matching, "draws",
-                       lambda g: Fixed(flow_matching.pack_latents(noise[rows]), sigma[rows]))
+                       lambda g: fr.Fixed(flow_matching.pack_latents(noise[rows]), sigma[rows]))
             with torch.no_grad():
                 return trainable.loss(family.collate(items), torch.Generator())
 
@@ -290,23 +256,7 @@ def merged_weights(cfg, run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def typed_runs(tmp_path_factory, sample_dataset):
-    made: dict[str, tuple] = {}
-
-    def get(kind: str):
-        if kind not in made:
-            root = tmp_path_factory.mktemp(f"z-{kind}")
-            data = copy_images(root / "data", sample_dataset, ("01_sky", "02_grass"))
-            # OFT: blocks of 2 (the tiny feed-forward width, 170, is even); LoKr: factor 4
-            extra = {"oft": ["lora.rank=2", "lora.alpha=0"], "lokr": ["lora.rank=4", "lora.factor=4"]}.get(
-                kind, ["lora.rank=4", "lora.alpha=6"])
-            cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}",
-                                       f"run.output_dir={q(root / 'runs')}", "train.max_steps=2", "train.warmup_steps=0",
-                                       "train.checkpoint_every=1", f'lora.type="{kind}"', *extra])
-            train(cfg, out=lambda s: None)
-            made[kind] = (cfg, cfg.run_dir)
-        return made[kind]
-
-    return get
+    return fr.typed_runs(tmp_path_factory, sample_dataset, PRESET, "z", {"oft": ["lora.rank=2", "lora.alpha=0"], "lokr": ["lora.rank=4", "lora.factor=4"]})
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr", pytest.param("lora", marks=pytest.mark.slow),
@@ -361,14 +311,9 @@ def test_every_key_maps_in_comfyui_and_patches_the_fused_weights_as_trained(type
 
 @pytest.fixture(scope="module")
 def z_run(tmp_path_factory, sample_dataset):
-    root = tmp_path_factory.mktemp("z-run")
-    data = copy_images(root / "data", sample_dataset, ("01_sky", "02_grass", "03_table", "04_wall"))
-    cfg = load_config(PRESET, [f"data.dir={q(data)}", f"cache.dir={q(root / 'cache')}", f"run.output_dir={q(root / 'runs')}",
-                               "data.buckets=false", "data.resolution=64", "train.batch_size=2", "train.max_steps=4",
-                               "train.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=2",
-                               "eval.strengths=[0, 1]", "eval.sample_steps=2"])
+    cfg, result = fr.four_update_run(tmp_path_factory.mktemp("z-run"), sample_dataset, PRESET)
     assert cfg.memory.fp8 and cfg.memory.blocks_to_swap == 1
-    return cfg, train(cfg, out=lambda s: None)
+    return cfg, result
 
 
 def test_a_resumed_run_ends_exactly_as_an_uninterrupted_one(z_run, tmp_path: Path) -> None:
