@@ -32,7 +32,6 @@ from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-flux2.toml"
-q = lambda p: json.dumps(str(p))  # noqa: E731
 
 
 @pytest.fixture(scope="module")

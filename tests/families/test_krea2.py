@@ -9,7 +9,6 @@ evaluation at strength 0 is the pipeline's own image."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,6 @@ from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-krea2.toml"
-q = lambda p: json.dumps(str(p))  # noqa: E731
 
 
 @pytest.fixture(scope="module")
