@@ -36,6 +36,8 @@ TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{%- set text = m['content']
 
 
 def build_tiny_dev(dest: Path) -> Path:
+    """The tiny [dev]: its Mistral has more layers than the 30 FLUX.2 reads, as the real one (40), so that
+    hidden_states[30] is a layer's output before the final norm there too."""
     from diffusers import Flux2Transformer2DModel
     from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
 
@@ -49,7 +51,7 @@ def build_tiny_dev(dest: Path) -> Path:
     tok.save_pretrained(dest / "tokenizer")
     config = Mistral3Config(
         text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_hidden_layers=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                          max_position_embeddings=2048, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id),
         vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -239,7 +239,7 @@ def preset(tmp_path: Path, sample_dataset: Path, *extra: str):
         "train.log_every=1", "train.checkpoint_every=0", *extra])
 
 
-def test_the_shipped_configs_follow_the_files_size_and_dev_reads_mistral_from_its_folder(
+def test_the_shipped_configs_follow_the_files_size_and_dev_reads_comfyuis_mistral(
         tiny: Path, tmp_path: Path, sample_dataset: Path, monkeypatch) -> None:
     from imglora.families._shared.singlefile import configdir
     from imglora.models.resolve import resolve_model
@@ -279,11 +279,32 @@ def test_the_shipped_configs_follow_the_files_size_and_dev_reads_mistral_from_it
     with pytest.raises(ModelSourceError, match=r"is a FLUX.2 transformer alone; FLUX.2 also needs Qwen3-4B and its "
                                                r"VAE as files: set model.text_encoder \(e.g. qwen_3_4b.safetensors\)"):
         resolved("klein-4b")
-    with pytest.raises(ModelSourceError, match=r"qwen3-4b.safetensors: FLUX.2 \[dev\]'s Mistral-Small-3 text encoder "
-                                               r"is not read from a single file"):
+    # [dev]: Comfy-Org's Mistral-Small-3 file (detect_te_model's test: width 5120, no q_norm), its tokenizer and
+    # chat template from FLUX.2 [dev]'s tokenizer/ in the Hugging Face cache; or Mistral from model.config's folder
+    files["models/text_encoders/mistral_3_small_flux2_bf16.safetensors"] = header_only(
+        d / "mistral.safetensors", {"model.embed_tokens.weight": (1, 5120),
+                                    "model.layers.0.post_attention_layernorm.weight": (5120,)})
+    comfy = make_comfyui_tree(tmp_path / "ComfyUI2", files)
+    with pytest.raises(ModelSourceError, match=r"qwen3-4b.safetensors is not Mistral-Small-3 \(24B\), FLUX.2 \[dev\]'s "
+                                               r"text encoder"):
         resolved("dev", "qwen3-4b")
-    with pytest.raises(ModelSourceError, match=r"dev.safetensors is FLUX.2 \[dev\]: .*set model.config"):
+    with pytest.raises(ModelSourceError, match=r"dev.safetensors is a FLUX.2 transformer alone; FLUX.2 also needs "
+                                               r"Mistral-Small-3 and its VAE as files: set model.text_encoder \(e.g. "
+                                               r"mistral_3_small_flux2_bf16.safetensors\) \(or, for the text encoder, "
+                                               r"model.config to the FLUX.2 \[dev\] diffusers folder"):
         resolved("dev")
+    with pytest.raises(ModelSourceError, match=r"FLUX.2 \[dev\]'s Mistral-Small-3's tokenizer is not on this machine.*"
+                                               r"`hf download black-forest-labs/FLUX.2-dev --include 'tokenizer/\*'`"
+                                               r".*or set model.config .*gated.*tekken"):
+        resolved("dev", "mistral_3_small_flux2_bf16")
+    snapshot = tmp_path / "hub-flux2-dev"
+    shutil.copytree(tiny / "tokenizer", snapshot / "tokenizer")  # (a tokenizer.json: what is looked for)
+    monkeypatch.setattr(configdir, "hub_snapshot", lambda repo: snapshot if repo == "black-forest-labs/FLUX.2-dev"
+                        else None)
+    src = resolved("dev", "mistral_3_small_flux2_bf16")
+    e = json.loads((src.root / "text_encoder" / "config.json").read_text())
+    assert (e["model_type"], e["text_config"]["num_hidden_layers"]) == ("mistral3", 40)
+    assert set(src.files) == {"transformer", "text_encoder", "vae"} and (src.root / "tokenizer" / "tokenizer.json").is_file()
     src = resolved("dev", "", f"model.config={json.dumps(str(tiny))}")
     assert src.root == tiny and set(src.files) == {"transformer", "vae"}
 

@@ -63,6 +63,13 @@ class Flux2Family:
                                            "split_files/diffusion_models/flux2_dev_fp8mixed.safetensors",
                                            "diffusion_models"),
         "flux2-vae.safetensors": ("Comfy-Org/flux2-dev", "split_files/vae/flux2-vae.safetensors", "vae"),
+        # [dev]'s Mistral-Small-3 (ComfyUI's cut to the 30 layers FLUX.2 reads), bf16 and fp8
+        "mistral_3_small_flux2_bf16.safetensors": ("Comfy-Org/flux2-dev",
+                                                   "split_files/text_encoders/mistral_3_small_flux2_bf16.safetensors",
+                                                   "text_encoders"),
+        "mistral_3_small_flux2_fp8.safetensors": ("Comfy-Org/flux2-dev",
+                                                  "split_files/text_encoders/mistral_3_small_flux2_fp8.safetensors",
+                                                  "text_encoders"),
     }
     adapter_file = common.ADAPTER_FILE
     adapter_format = "a diffusers LoRA: pipe.load_lora_weights(folder)"
@@ -137,9 +144,13 @@ class Flux2Family:
         from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
         kind = model.variant(src.root)
-        if kind == "klein" and src.files:  # (FLUX.2 [dev] from files reads Mistral from model.config's folder)
+        from_file = bool(src.files) and "text_encoder" in src.files  # ([dev] from files may read model.config's)
+        if kind == "klein" and from_file:
             encoder = singlefile.load_text_encoder(src, dtype)
             tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")
+        elif from_file:
+            encoder = singlefile.load_mistral(src, dtype)
+            tokenizer = model.mistral_tokenizer(src.root / "tokenizer")
         elif kind == "klein":
             encoder = Qwen3ForCausalLM.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(src.root, subfolder="tokenizer")

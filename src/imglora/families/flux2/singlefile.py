@@ -8,8 +8,11 @@ Hugging Face's names). Which model a transformer file is comes from its shapes (
 its configs are the shipped ones of that model (or ``model.config``), the tokenizer Qwen's (the
 Hugging Face cache, or ComfyUI's ``qwen25_tokenizer``, which ComfyUI's [klein] uses).
 
-FLUX.2 [dev]'s text encoder (Mistral-Small-3, 24B, with its Pixtral processor) is not read from a
-file: [dev] from files reads it from the diffusers folder given as ``model.config``.
+For [dev], Mistral-Small-3 (``mistral_3_small_flux2_bf16.safetensors`` / ``_fp8``, Comfy-Org/flux2-dev's
+``split_files/text_encoders/``): its language model in Hugging Face's names, of which the first 30 layers
+are read (see ``load_mistral``), with Mistral's tokenizer and chat template from FLUX.2 [dev]'s
+``tokenizer/`` (the Hugging Face cache, or ``model.config``'s folder). Without ``model.text_encoder``,
+[dev] reads it from the diffusers folder given as ``model.config``.
 
 The transformer's names map as diffusers' ``convert_flux2_transformer_checkpoint_to_diffusers`` maps
 them (checked against it in the tests): the double blocks' fused ``qkv`` rows are q, k and v (read as
@@ -35,10 +38,16 @@ SHIPPED = {"klein-4b": CONFIGS / "flux2-klein-base-4b", "klein-9b": CONFIGS / "f
            "dev": CONFIGS / "flux2-dev"}
 KIND = "flux2-transformer"
 VAE_KIND = "vae-flux2"
-TEXT_KINDS = {"klein-4b": ("qwen3-4b",), "klein-9b": ("qwen3-8b",), None: ("qwen3-4b", "qwen3-8b")}
+MISTRAL_KIND = "mistral3-small"
+TEXT_KINDS = {"klein-4b": ("qwen3-4b",), "klein-9b": ("qwen3-8b",), "dev": (MISTRAL_KIND,),
+              None: ("qwen3-4b", "qwen3-8b", MISTRAL_KIND)}
 TOKENIZER = [("black-forest-labs/FLUX.2-klein-base-4B", "tokenizer"), ("black-forest-labs/FLUX.2-klein-4B", "tokenizer"),
              ("black-forest-labs/FLUX.2-klein-base-9B", "tokenizer"), ("Qwen/Qwen3-4B", ""), ("Qwen/Qwen3-8B", "")]
-EXAMPLE_TE = {"klein-4b": "qwen_3_4b.safetensors", "klein-9b": "qwen_3_8b_fp8mixed.safetensors"}
+# [dev]'s: Mistral's tokenizer with its chat template, as the FLUX.2 [dev] folder keeps it (a gated repository)
+MISTRAL_TOKENIZER = [("black-forest-labs/FLUX.2-dev", "tokenizer")]
+EXAMPLE_TE = {"klein-4b": "qwen_3_4b.safetensors", "klein-9b": "qwen_3_8b_fp8mixed.safetensors",
+              "dev": "mistral_3_small_flux2_bf16.safetensors"}
+TE_NAME = {"klein-4b": "Qwen3-4B", "klein-9b": "Qwen3-8B", "dev": "Mistral-Small-3"}
 VAE_EXAMPLE = "flux2-vae.safetensors"
 
 # BFL name -> diffusers name, outside the blocks (diffusers' converter's renames)
@@ -120,8 +129,10 @@ def base_weights(src: Any, component: str, paths: list[str]) -> dict[str, torch.
 
 def resolve_files(model: Any, find: Any) -> Any:
     """The transformer file (``model.path``, in ComfyUI's diffusion_models folder), FLUX.2's VAE
-    (``model.vae``) and, for [klein], Qwen3 (``model.text_encoder``), with the shipped configs of the
-    model the transformer's shapes name (or ``model.config``) and Qwen's tokenizer."""
+    (``model.vae``) and its text encoder (``model.text_encoder``: Qwen3 for [klein], Mistral-Small-3 for
+    [dev]), with the shipped configs of the model the transformer's shapes name (or ``model.config``) and
+    its tokenizer (Qwen's, or for [dev] Mistral's from FLUX.2 [dev]'s folder). [dev] without
+    ``model.text_encoder`` reads Mistral from ``model.config``'s diffusers folder."""
     from ...models.source import ModelSource
     from .._shared.singlefile.configdir import assemble, find_parts, find_tokenizer, override
 
@@ -135,35 +146,28 @@ def resolve_files(model: Any, find: Any) -> Any:
                                "set model.config to a diffusers folder of the same model")
     parts: dict[str, tuple[str, tuple[str, ...], str, str]] = {
         "vae": ("vae", ("vae",), VAE_KIND, VAE_EXAMPLE)}
-    if variant == "dev":
-        if model.text_encoder:
-            te = find(model.text_encoder, ("text_encoders", "clip"), "model.text_encoder")
-            raise ModelSourceError(
-                f"{te}: FLUX.2 [dev]'s Mistral-Small-3 text encoder is not read from a single file. Leave "
-                "model.text_encoder empty and set model.config to the FLUX.2 [dev] diffusers folder (its text_encoder/ "
-                "and tokenizer/ are read from there), or give that folder as model.path")
-        if not model.config:
-            raise ModelSourceError(f"{path} is FLUX.2 [dev]: its Mistral-Small-3 text encoder is read from the "
-                                   "diffusers folder only; set model.config to the FLUX.2 [dev] folder "
-                                   "(black-forest-labs/FLUX.2-dev)")
-    else:
-        parts["text_encoder"] = ("text_encoder", ("text_encoders", "clip"), TEXT_KINDS[variant][0],
-                                 EXAMPLE_TE.get(variant or "klein-4b", "qwen_3_4b.safetensors"))
-    files, missing = find_parts(model, find, {k: v for k, v in parts.items() if k != "text_encoder"}, expect)
-    if "text_encoder" in parts:
-        if model.text_encoder:
-            files["text_encoder"] = find(model.text_encoder, ("text_encoders", "clip"), "model.text_encoder")
-            expect(files["text_encoder"], *TEXT_KINDS[variant])
-        else:
-            missing.insert(0, f"model.text_encoder (e.g. {parts['text_encoder'][3]})")
+    files, missing = find_parts(model, find, parts, expect)
+    if model.text_encoder:
+        files["text_encoder"] = find(model.text_encoder, ("text_encoders", "clip"), "model.text_encoder")
+        expect(files["text_encoder"], *TEXT_KINDS[variant])
+    elif not (variant == "dev" and model.config):  # ([dev] with model.config: Mistral from that folder)
+        missing.insert(0, f"model.text_encoder (e.g. {EXAMPLE_TE.get(variant or 'klein-4b')})")
     if missing:
-        te = {"dev": "", "klein-9b": "Qwen3-8B and "}.get(variant or "", "Qwen3-4B and ")
-        raise ModelSourceError(f"{path} is a FLUX.2 transformer alone; FLUX.2 also needs {te}its VAE as files: set "
-                               f"{', '.join(missing)}")
+        folder = (" (or, for the text encoder, model.config to the FLUX.2 [dev] diffusers folder: its text_encoder/ and "
+                  "tokenizer/ are read)" if variant == "dev" and not model.text_encoder else "")
+        raise ModelSourceError(f"{path} is a FLUX.2 transformer alone; FLUX.2 also needs "
+                               f"{TE_NAME[variant or 'klein-4b']} and its VAE as files: set {', '.join(missing)}{folder}")
     files = {"transformer": path, **files}
     if model.config:
         return ModelSource(override(model.config), files)
-    tokenizer, _ = find_tokenizer("qwen25", TOKENIZER, model.comfyui, "FLUX.2 [klein]'s Qwen3")
+    if variant == "dev":
+        tokenizer, _ = find_tokenizer(
+            "mistral", MISTRAL_TOKENIZER, model.comfyui, "FLUX.2 [dev]'s Mistral-Small-3",
+            note=" (black-forest-labs/FLUX.2-dev is gated: accept its licence on Hugging Face and log in first). "
+                 "The text encoder file carries Mistral's tekken tokenizer, but not the chat template FLUX.2 [dev]'s "
+                 "captions are encoded in: imglora reads both from that tokenizer/ folder")
+    else:
+        tokenizer, _ = find_tokenizer("qwen25", TOKENIZER, model.comfyui, "FLUX.2 [klein]'s Qwen3")
     return ModelSource(assemble(SHIPPED[variant].name, SHIPPED[variant], {"tokenizer": tokenizer}, {}), files)
 
 
@@ -173,6 +177,59 @@ def load_text_encoder(src: Any, dtype: torch.dtype) -> Any:
 
     return load_qwen3(src.files["text_encoder"], src.root, dtype, ("qwen3-4b", "qwen3-8b"), "FLUX.2 [klein]'s Qwen3",
                       "the Qwen3 config given (model.config, or the shipped one of the model its transformer is)")
+
+
+# The layout of Comfy-Org's mistral_3_small_flux2_*.safetensors, from ComfyUI's reader of it:
+# - comfy/sd.py::detect_te_model: "model.layers.0.post_attention_layernorm.weight" of width 5120 (no q_norm) is
+#   TEModel.MISTRAL3_24B "if 'model.layers.39.post_attention_layernorm.weight' in sd", else
+#   MISTRAL3_24B_PRUNED_FLUX2; both load as comfy.text_encoders.flux.flux2_te(..., pruned=...), the
+#   tokenizer from the file's "tekken_model" tensor.
+# - comfy/text_encoders/llama.py: Mistral3Small24B is `self.model = Llama2_(config)`: embed_tokens,
+#   layers.N.self_attn.{q,k,v,o}_proj, layers.N.mlp.{gate,up,down}_proj, layers.N.{input,post_attention}_layernorm,
+#   norm (all without biases; Mistral3Small24BConfig: 131072 x 5120, 32768, 32 heads, 8 kv heads of 128,
+#   rope_theta 1e9), i.e. transformers' MistralModel names under "model.".
+# - comfy/text_encoders/flux.py: Mistral3_24BModel(layer=[10, 20, 30], layer_norm_hidden_state=False); pruned:
+#   model_options["num_layers"] = 30 and, below 40 layers, "final_norm" False. (ComfyUI's Llama2_ collects a
+#   layer's state before running it, so its 10, 20, 30 are transformers' hidden_states[10], [20], [30].)
+# - Third-party readers of the same file: InvokeAI's mistral_encoder.py (PR 9234: "the 30-layer ... Comfy-Org
+#   safetensors") loads model.* into a transformers MistralModel; dinkster_inference pins its header as 30
+#   layers, model.norm.weight kept, vision_tower.*, multi_modal_projector.* and tekken_model beside model.*.
+MISTRAL_DEPTH = 30  # max(model.DEV_LAYERS) (model imports this module): the last state [dev] reads is layer 30's
+MISTRAL_BESIDE = ("vision_tower.", "multi_modal_projector.", "tekken_model", "lm_head.")  # not needed for text
+
+
+def _layer(key: str) -> int:
+    """The layer index of a ``model.layers.N.*`` key, else -1."""
+    parts = key.split(".")
+    return int(parts[2]) if key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() else -1
+
+
+def load_mistral(src: Any, dtype: torch.dtype) -> Any:
+    """Mistral-Small-3's language model as FLUX.2 [dev] reads it, from ComfyUI's file: a MistralModel of
+    the config's text_config cut to its first 30 layers, with no final norm. For text the Mistral3
+    generation model's states are its language model's, and FLUX.2 [dev] reads hidden_states 10, 20 and
+    30: with 40 layers the 30th is layer 29's output before any norm, which is what these 30 layers give
+    (transformers replaces a model's last state by the normed one, hence the norm is left out, as ComfyUI
+    builds its cut model with final_norm False). The full file (40 layers) and ComfyUI's cut one (30)
+    read alike; layers 30 to 39, the final norm, the vision tower and projector are not read."""
+    import copy
+
+    from transformers import Mistral3Config, MistralModel
+
+    from ...models.safefiles import hf_config, note_ignored
+
+    layout = expect(src.files["text_encoder"], MISTRAL_KIND)
+    config = copy.deepcopy(hf_config(Mistral3Config, src.root, "text_encoder").text_config)
+    config.num_hidden_layers = MISTRAL_DEPTH
+    encoder = empty_model(lambda: MistralModel(config))
+    encoder.norm = torch.nn.Identity()
+    with open_file(layout.path) as r:
+        keys = [k for k in r.with_prefix("model.") if _layer(k) < MISTRAL_DEPTH and k != "model.norm.weight"]
+        skipped = set(keys) | {k for k in r.keys if k.startswith(MISTRAL_BESIDE) or _layer(k) >= MISTRAL_DEPTH}
+        note_ignored(r.path, sorted(set(r.with_prefix("")) - skipped - {"model.norm.weight"}))
+        state = {k[len("model."):]: r.get(k, dtype) for k in keys}
+    return fill(encoder, state, path=layout.path, what="FLUX.2 [dev] Mistral-Small-3 text encoder",
+                hint="the Mistral-Small-3 config given (model.config, or the shipped FLUX.2 [dev] one)")
 
 
 def vae_state(r: Reader, prefix: str, config: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -54,21 +54,29 @@ def find_parts(model: Any, find: Any, parts: dict[str, tuple[str, tuple[str, ...
     return files, missing
 
 
-def find_tokenizer(kind: str, hub: list[tuple[str, str]], comfyui: str, what: str) -> tuple[Path, bool]:
-    """A tokenizer folder of ``kind`` ("clip", "t5" or "qwen25"): the first ``(repo, subfolder)`` of ``hub``
-    in the local Hugging Face cache, else ComfyUI's. Returns (folder, from ComfyUI)."""
-    markers = {"clip": ("vocab.json",), "t5": ("tokenizer.json", "spiece.model"), "qwen25": ("vocab.json",)}[kind]
+COMFYUI_TOKENIZERS = ("clip", "t5", "qwen25")  # the kinds ComfyUI ships as tokenizer folders
+
+
+def find_tokenizer(kind: str, hub: list[tuple[str, str]], comfyui: str, what: str, note: str = "") -> tuple[Path, bool]:
+    """A tokenizer folder of ``kind`` ("clip", "t5", "qwen25" or "mistral"): the first ``(repo, subfolder)``
+    of ``hub`` in the local Hugging Face cache, else ComfyUI's (which has no Mistral tokenizer folder: its
+    FLUX.2 [dev] text encoder file carries its own). Returns (folder, from ComfyUI). ``note``: said after
+    the ways to get it (e.g. that the repository is gated)."""
+    markers = {"clip": ("vocab.json",), "t5": ("tokenizer.json", "spiece.model"), "qwen25": ("vocab.json",),
+               "mistral": ("tokenizer.json",)}[kind]
     for repo, sub in hub:
         snap = hub_snapshot(repo)
         if snap is not None and any((snap / sub / m).is_file() for m in markers):
             return snap / sub, False
-    if comfyui:
+    if comfyui and kind in COMFYUI_TOKENIZERS:
         return tokenizer_dirs(comfyui, (kind,))[kind], True
     repo, sub = hub[0]
+    ways = ("set model.comfyui to your ComfyUI folder (it ships them), or model.config" if kind in COMFYUI_TOKENIZERS
+            else "set model.config")
     raise ModelSourceError(
         f"{what}'s tokenizer is not on this machine. imglora ships the model's configs but not its tokenizers: "
-        f"fetch them once with `hf download {repo} --include '{sub}/*'` (a few MB), or set model.comfyui to your "
-        "ComfyUI folder (it ships them), or model.config to a diffusers folder of the model")
+        f"fetch them once with `hf download {repo} --include '{sub}/*'` (a few MB), or {ways} to a diffusers "
+        f"folder of the model{note}")
 
 
 def assemble(name: str, shipped: Path, tokenizers: dict[str, Path], patches: dict[str, dict[str, Any]],

@@ -20,7 +20,7 @@ from ....models.safefiles import PathLike, Reader, is_side_key, open_file
 
 KINDS = ("sdxl-checkpoint", "flux-transformer", "chroma-transformer", "qwen-image-transformer", "z-image-transformer",
          "flux2-transformer", "krea2-transformer", "qwen-image-2.1-transformer", "clip-l", "t5xxl", "qwen25-vl-7b", "qwen3-4b", "qwen3-8b",
-         "qwen3vl-4b", "qwen3vl-8b", "vae-sdxl", "vae-flux", "vae-flux2", "vae-qwen-image", "vae-qwen-image-2.1", "lora", "unknown")
+         "qwen3vl-4b", "qwen3vl-8b", "mistral3-small", "vae-sdxl", "vae-flux", "vae-flux2", "vae-qwen-image", "vae-qwen-image-2.1", "lora", "unknown")
 
 UNET_PREFIX = "model.diffusion_model."
 CLIP_L_KEY = "text_model.encoder.layers.0.mlp.fc1.weight"
@@ -45,6 +45,11 @@ KREA2_KEY = "txtfusion.projector.weight"  # diffusers' test for Krea 2 (CHECKPOI
 # the language model at model.* and the vision tower at visual.*; ComfyUI tests the deepstack merger
 QWEN3VL_LAYOUTS = (("model.language_model.", "model.visual."), ("model.", "visual."))
 QWEN3_SIZES = {2560: "4b", 4096: "8b"}  # the hidden width of Qwen3-4B / -8B (and Qwen3-VL-4B / -8B)
+# A Llama-layout text encoder in Hugging Face's names (model.layers.N.post_attention_layernorm, no q/k norms, no
+# k_proj bias, no Gemma feed-forward norms): ComfyUI's sd.py::detect_te_model takes width 5120 for Mistral-Small-3
+# (MISTRAL3_24B with model.layers.39.*, else MISTRAL3_24B_PRUNED_FLUX2: the 30 layers FLUX.2 [dev] reads)
+MISTRAL_KEY = "model.layers.0.post_attention_layernorm.weight"
+MISTRAL3_SMALL_WIDTH = 5120
 LORA_MARKERS = (".lora_up.", ".lora_down.", ".lora_A.", ".lora_B.", ".lora.up.", ".lora.down.", ".hada_w1_a",
                 ".lokr_w1")
 
@@ -198,6 +203,17 @@ def classify(r: Reader) -> Layout:
             return Layout(kind="unknown", note=note, **base)
         return Layout(kind="qwen25-vl-7b", fp8=fp8(r.keys), scaled=scaled, **base)
 
+    if MISTRAL_KEY in keys and "model.layers.0.post_feedforward_layernorm.weight" not in keys:
+        width = r.shape(MISTRAL_KEY)[0]
+        if width != MISTRAL3_SMALL_WIDTH:
+            return Layout(kind="unknown", note=f"a Llama-layout text encoder of width {width} (FLUX.2 [dev] reads "
+                          f"Mistral-Small-3, width {MISTRAL3_SMALL_WIDTH})", **base)
+        layers = sum(1 for k in keys if k.startswith("model.layers.") and k.endswith(".post_attention_layernorm.weight"))
+        pruned = "model.layers.39.post_attention_layernorm.weight" not in keys
+        note = (f"{layers} layers: ComfyUI's FLUX.2 cut (layers 30 to 39 removed)" if pruned else f"{layers} layers")
+        return Layout(kind="mistral3-small", prefix="model.", variant="pruned" if pruned else "full",
+                      fp8=fp8(r.with_prefix("model.layers.")), scaled=scaled, note=note, **base)
+
     if WAN21_VAE_KEY in keys:
         if WAN22_VAE_KEY in keys:
             # Wan 2.2's nested layout: Wan 2.2's own VAE (48 latent channels, 2x2 patches: 12 pixel channels) or
@@ -265,6 +281,7 @@ _WANTED = {
     "flux2-transformer": "a FLUX.2 transformer (e.g. flux-2-klein-base-4b.safetensors)",
     "vae-flux2": "FLUX.2's VAE (flux2-vae.safetensors)",
     "krea2-transformer": "a Krea 2 transformer (e.g. krea2_raw_bf16.safetensors)",
+    "mistral3-small": "Mistral-Small-3 (24B), FLUX.2 [dev]'s text encoder (e.g. mistral_3_small_flux2_bf16.safetensors)",
     "qwen3vl-4b": "Qwen3-VL-4B, Krea 2's text encoder (e.g. qwen3vl_4b_bf16.safetensors)",
     "qwen3vl-8b": "Qwen3-VL-8B, Qwen-Image 2.1's text encoder (e.g. qwen3vl_8b_bf16.safetensors)",
     "qwen-image-2.1-transformer": "a Qwen-Image 2.1 transformer (e.g. qwen_image_2.1_bf16.safetensors)",
