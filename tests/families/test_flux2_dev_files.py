@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from test_flux2_dev import build_tiny_dev
 
+from imglora.util.owned import own_module
 from imglora.errors import ModelSourceError
 from imglora.families import registry
 from imglora.families._shared.singlefile import inspect
@@ -40,7 +41,7 @@ def dev(tmp_path_factory) -> Path:
 def generation(dev: Path):
     from transformers import Mistral3ForConditionalGeneration
 
-    return Mistral3ForConditionalGeneration.from_pretrained(dev / "text_encoder").eval()
+    return own_module(Mistral3ForConditionalGeneration.from_pretrained(dev / "text_encoder")).eval()  # (aligned)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import torch
 from layouts import FP8, FP8_MAX, make_comfyui_tree, write_qwen_image_vae
 from safetensors.torch import load_file, save_file
 
+from imglora.util.owned import own_module
 from imglora.errors import ModelSourceError
 from imglora.families import registry
 from imglora.families._shared.singlefile import inspect
@@ -145,7 +146,7 @@ def test_each_file_reads_into_the_folders_model(tiny: Path, tmp_path: Path, qwen
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     theirs = convert_krea2_transformer_checkpoint_to_diffusers(load_file(str(path)))
     assert theirs.keys() == want.keys() and all(torch.equal(theirs[k], want[k]) for k in want)
-    folder = Qwen3VLModel.from_pretrained(tiny, subfolder="text_encoder").eval()
+    folder = own_module(Qwen3VLModel.from_pretrained(tiny, subfolder="text_encoder")).eval()  # (aligned, as imglora reads)
     tokenizer = AutoTokenizer.from_pretrained(tiny, subfolder="tokenizer")
     lang = {k[len("language_model."):]: v for k, v in component(tiny, "text_encoder").items()
             if k.startswith("language_model.")}

@@ -22,6 +22,7 @@ import torch
 from layouts import FP8, FP8_MAX, make_comfyui_tree
 from safetensors.torch import load_file, save_file
 
+from imglora.util.owned import own_module
 from imglora.errors import ModelSourceError
 from imglora.families import registry
 from imglora.families._shared.singlefile import inspect
@@ -171,7 +172,7 @@ def test_each_file_reads_into_the_folders_model(tiny: Path, tmp_path: Path, qwen
             if k.startswith("model.language_model.")}
     te = encoder.state_dict()
     assert te.keys() == lang.keys() and all(torch.equal(te[k], lang[k]) for k in lang)
-    folder = Qwen3VLModel.from_pretrained(tiny, subfolder="text_encoder").eval()
+    folder = own_module(Qwen3VLModel.from_pretrained(tiny, subfolder="text_encoder")).eval()  # (aligned, as imglora reads)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(tiny))
     with torch.no_grad():  # the language model alone gives the caption the states the whole Qwen3VLModel gives
         assert torch.equal(encode_caption(tokenizer, encoder, "a red cube on grass", 64),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ...errors import ModelSourceError
+from ...errors import ImgloraError
 from ...models.tiny import random_init
 from ...util.rng import draws
 from .._shared import one_stream, stream
@@ -194,8 +194,8 @@ def layout(n: int, text_len: int, h: int, w: int, device: torch.device) -> dict[
     """The transformer's layout arguments for text-to-image: the target's shape in latent tokens and
     the joint sequence's mask of image slots (the caption's, then one slot per 2×2 latent tokens)."""
     if h % 2 or w % 2:  # (the pipeline's sizes: each image slot is 2×2 latent tokens)
-        raise ModelSourceError(f"Qwen-Image 2.1 needs images whose sides are multiples of 32 pixels; got latents of "
-                               f"{h}×{w} (set data.bucket_step or the resolution to a multiple of 32)")
+        raise ImgloraError(f"Qwen-Image 2.1 needs images whose sides are multiples of 32 pixels; got latents of "
+                           f"{h}×{w} (set data.bucket_step or the resolution to a multiple of 32)")
     img_mask = torch.cat([torch.zeros(n, text_len, dtype=torch.bool),
                           torch.ones(n, h * w // TOKENS_PER_SLOT, dtype=torch.bool)], dim=1)
     if device.type != "meta":  # (the plan's run on the meta device: the model reads the layout from its values)
