@@ -59,11 +59,14 @@ class Imglora:
 
         from imglora.util import devices
         from imglora.training import step as loop
+        from imglora.memory.wrap import resolve_swap
 
         self.cfg, self.family, self.batcher, self.device = cfg, family, batcher, device
         accelerator = loop.accelerator_for(cfg)
-        trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device))
-        self.session = loop.build_session(cfg, family, trainable, accelerator, total=10**6, out=lambda s: None)
+        swap = resolve_swap(family, cfg, src)
+        trainable = family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device), swap)
+        self.session = loop.build_session(cfg, family, trainable, accelerator, swap=swap, total=10**6,
+                                          out=lambda s: None)
         self.loss_sum = torch.zeros((), device=device)
         self.first_bad = torch.full((), -1, dtype=torch.long, device=device)  # (the loop's check: its cost counts)
 

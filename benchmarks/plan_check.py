@@ -60,6 +60,7 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     from imglora.plan import predict as plan
     from imglora.models.tiny import random_init
     from imglora.family import Swappable, supports
+    from imglora.memory.wrap import resolve_swap
 
     setting = plan.Setting(precision, blocks)
     t = time.perf_counter()
@@ -69,7 +70,8 @@ def measure(cfg, family, src, precision: str, blocks: int) -> dict:
     random_init(trainable.model, torch.float32)
     trainable.model.requires_grad_(False)
     swapping = family.with_blocks_to_swap(cfg, blocks) if supports(family, Swappable) else cfg
-    session = loop.build_session(swapping, family, trainable, loop.accelerator_for(cfg), total=10,
+    session = loop.build_session(swapping, family, trainable, loop.accelerator_for(cfg),
+                                 swap=resolve_swap(family, swapping, model=trainable.model), total=10,
                                  out=lambda s: None)
     batch = family.synthetic_batch(trainable, cfg.data.resolution, cfg, torch.device("cpu"))
     t = time.perf_counter()

@@ -50,18 +50,20 @@ def measure(cfg, family, src, precision: str, blocks: int, resolution: int, warm
     from imglora.plan import predict as plan, timing as plan_time
     from imglora.models.tiny import random_init
     from imglora.family import Swappable, supports
+    from imglora.memory.wrap import resolve_swap
 
     device = plan_time.calibrate_cpu()
     predicted = plan.predict(cfg, family, [plan.Setting(precision, blocks)], device_kind="cpu", src=src,
                              resolution=resolution, time_device=device).settings[0].predicted
+    swapping = family.with_blocks_to_swap(cfg, blocks) if supports(family, Swappable) else cfg
+    swap = resolve_swap(family, swapping, src)
     if real_width:
         trainable = family.meta_trainable(src, cfg, torch.float32)
         random_init(trainable.model, torch.float32)
         trainable.model.requires_grad_(False)
     else:
-        trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
-    swapping = family.with_blocks_to_swap(cfg, blocks) if supports(family, Swappable) else cfg
-    session = loop.build_session(swapping, family, trainable, loop.accelerator_for(cfg), total=100,
+        trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    session = loop.build_session(swapping, family, trainable, loop.accelerator_for(cfg), swap=swap, total=100,
                                  out=lambda s: None)
     batch = family.synthetic_batch(trainable, resolution, cfg, torch.device("cpu"))
     loss_sum = torch.zeros(())

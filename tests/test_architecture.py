@@ -272,3 +272,19 @@ def test_only_an_adapter_types_own_file_names_it() -> None:
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value!r}")
     assert not found, "adapter types named outside their own file:\n" + "\n".join(found)
+
+
+def family_calls(source: str, method: str) -> list[int]:
+    """Lines calling ``<family>.method(...)`` (on ``family``, ``self.family`` or ``fam``)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method
+            and ast.unparse(node.func.value) in ("family", "self.family", "fam")]
+
+
+def test_swap_counts_are_resolved_in_one_place_and_passed_down_as_data() -> None:
+    """The family's swap rule runs in memory.wrap.resolve_swap alone (called where a command starts);
+    everything after it (the loader, apply_memory, the plan) takes the resulting SwapLayout."""
+    found = {name: lines for name, path in modules().items() if not name.startswith("imglora.families")
+             for lines in [family_calls(path.read_text(), "swap_counts")] if lines}
+    assert found == {"imglora.memory.wrap": found.get("imglora.memory.wrap")} and len(found["imglora.memory.wrap"]) == 1
+    assert family_calls("def f(family):\n    return family.swap_counts([2], cfg)\n", "swap_counts") == [2]

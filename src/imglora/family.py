@@ -34,6 +34,7 @@ import torch
 
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
+    from .memory.swap import SwapLayout
     from .data.samples import PreparedData
     from .models.source import ModelSource
 
@@ -65,7 +66,11 @@ class Family(Protocol):
     def data_version(self, cfg: "Config") -> str: ...  # the training data's content hash, without a model
     def prepare_data(self, cfg: "Config", src: "ModelSource", device: torch.device) -> "PreparedData": ...
     def collate(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]: ...
-    def load_trainable(self, src: "ModelSource", cfg: "Config", device: torch.device, dtype: torch.dtype) -> Trainable: ...
+    def load_trainable(self, src: "ModelSource", cfg: "Config", device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Trainable: ...
+    # ``swap``: the blocks the run keeps in host memory (memory.wrap.resolve_swap, computed once by the
+    # command; NO_SWAP for a family without swappable blocks). A streamed loader leaves exactly those
+    # on the host as it reads them; apply_memory then swaps exactly those.
     def save_adapter(self, model: torch.nn.Module, peft_config: Any, folder: Path,
                      text_encoders: dict[str, tuple[torch.nn.Module, Any]] | None = None) -> Path: ...  # main file
     def read_adapter(self, folder: Path, component: str | None = None) -> dict[str, torch.Tensor]: ...
@@ -99,19 +104,23 @@ class Swappable(Protocol):
     swappable_blocks: tuple[str, ...]  # attribute paths of the block lists, in execution order
 
     def block_counts(self, src: "ModelSource") -> list[int]: ...  # blocks per list, from the config alone
+    def full_block_counts(self, cfg: "Config") -> list[int]: ...  # blocks per list of full_trainable's model
     def swap_counts(self, lengths: list[int], cfg: "Config") -> list[int]: ...  # blocks per list to swap
+    # (the family's rule, called only by memory.wrap.resolve_swap: once, where a command starts; the
+    # result, a SwapLayout, is passed down as data)
     def with_blocks_to_swap(self, cfg: "Config", n: int) -> "Config": ...
     # ``cfg`` with kohya's count ``n`` as its only swap setting (the family's own per-list counts
     # unset): how the evaluation pass, bench-swap and the plan choose a count, the one route an
-    # override takes (the config)
+    # override takes (the config, before the layout is resolved)
 
 
 @runtime_checkable
 class Benchable(Protocol):
-    def full_trainable(self, cfg: "Config", dtype: torch.dtype, device: torch.device | None = None) -> Trainable: ...
+    def full_trainable(self, cfg: "Config", dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Trainable: ...
     # The full-size model with random weights, frozen. On CUDA (``device``) a family may make it
     # there part by part (quantized with memory.fp8, the blocks ``cfg`` swaps, as
-    # in memory.wrap.apply_memory, moved to the host) so it never exists whole on the host; without
+    # in memory.wrap.apply_memory: the blocks ``swap`` names, moved to the host) so it never exists whole on the host; without
     # ``device`` or on the CPU it is made on the host. Either way apply_memory finishes the placing.
     def synthetic_batch(self, trainable: Trainable, resolution: int, cfg: "Config",
                         device: torch.device) -> dict[str, torch.Tensor]: ...

@@ -17,6 +17,7 @@ from imglora.commands.train import train
 from imglora.errors import ConfigError
 from imglora.families import registry
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 def injected(preset: str, *overrides: str):
     cfg = load_config(REPO / "presets" / f"{preset}.toml", ["memory.fp8=false", "memory.blocks_to_swap=0", *overrides])
     family = registry.get(cfg.model.family)
-    trainable = family.load_trainable(resolve_model(cfg.model.path, family), cfg, torch.device("cpu"), torch.float32)
+    src = resolve_model(cfg.model.path, family)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, resolve_swap(family, cfg, src))
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     adapted = {n: m for n, m in trainable.model.named_modules() if isinstance(m, BaseTunerLayer)}
     return cfg, family, trainable.model, adapted

@@ -8,6 +8,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from imglora.adapters import inject as lora
+from imglora.memory.wrap import resolve_swap
 
 
 def run(keep: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
@@ -59,9 +60,11 @@ def test_loraplus_puts_the_b_matrices_at_the_ratio_and_records_it(tmp_path) -> N
     cfg = load_config(repo / "presets" / "tiny-sdxl.toml", ["lora.loraplus_lr_ratio=16", "train.learning_rate=1e-3",
                                                              "train.warmup_steps=0"])
     family = registry.get("sdxl")
-    trainable = family.load_trainable(resolve_model(cfg.model.path, family), cfg, _torch.device("cpu"),
-                                      _torch.float32)
-    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), total=4, out=lambda s: None)
+    src = resolve_model(cfg.model.path, family)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, _torch.device("cpu"), _torch.float32, swap)
+    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), swap=swap, total=4,
+                                 out=lambda s: None)
     names = {id(p): n for n, p in session.model.named_parameters()}
     groups = session.optimizer.param_groups
     assert [g["lr"] for g in groups] == [1e-3, 1.6e-2]

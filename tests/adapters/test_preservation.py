@@ -18,6 +18,7 @@ from imglora.data import cache
 from imglora.data.batches import Batcher
 from imglora.errors import ConfigError
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-flux.toml"
@@ -55,7 +56,8 @@ def test_the_loss_adds_the_weighted_distance_to_the_base_models_prediction(prepa
     cfg, family, src, the_plan = prepared
     samples = cache.load_samples(cfg, family, src, "cpu", the_plan)
     batch = Batcher(samples, 2, seed=0, collate=family.collate).batch(0, torch.device("cpu"))
-    inner = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    inner = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     lora.inject(inner.model, family, cfg.lora, seed=0)
     g = torch.Generator().manual_seed(3)
     for n, p in inner.model.named_parameters():
@@ -121,8 +123,10 @@ def test_the_plan_counts_the_extra_passes() -> None:
     assert 1.8 < ratio < 2.6, ratio
     assert dop.term("activations_saved") > base.term("activations_saved")
     # ... and the memory prediction holds against a real step of the wrapped trainable (within 10 %).
-    trainable = preservation.wrap(family.load_trainable(src, with_dop, torch.device("cpu"), torch.float32), with_dop)
-    session = loop.build_session(with_dop, family, trainable, loop.accelerator_for(with_dop), total=10,
+    swap = resolve_swap(family, with_dop, src)
+    trainable = preservation.wrap(family.load_trainable(src, with_dop, torch.device("cpu"), torch.float32, swap),
+                                  with_dop)
+    session = loop.build_session(with_dop, family, trainable, loop.accelerator_for(with_dop), swap=swap, total=10,
                                  out=lambda s: None)
     batch = preservation.synthetic(family.synthetic_batch(trainable, with_dop.data.resolution, with_dop,
                                                           torch.device("cpu")), with_dop)

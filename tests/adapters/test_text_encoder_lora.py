@@ -24,6 +24,7 @@ from imglora.errors import ConfigError
 from imglora.families import get_family
 from imglora.families._shared.diffusers_image import ADAPTER_FILE, clip_path
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -105,10 +106,9 @@ def test_text_encoder_adapter_trains_uncached_and_loads_in_comfyui(family, small
     # ComfyUI: every key of the export loaded, the text encoders' patched weights as peft merges them
     sd = load_file(str(export_run(run, out=tmp_path / "x.safetensors", dtype="fp32").path))
     te_keys = {k: (part, path) for part, enc in base.items() for k, path in comfy_te_keys(family, part, enc).items()}
-    den = fam.load_trainable(resolve_model(f"tiny:{family}", fam), cfg.replace(memory={"fp8": False,
-                                                                                      "blocks_to_swap": 0},
-                                                                              lora={"text_encoder": False}),
-                             torch.device("cpu"), torch.float32).model
+    plain = cfg.replace(memory={"fp8": False, "blocks_to_swap": 0}, lora={"text_encoder": False})
+    src = resolve_model(f"tiny:{family}", fam)
+    den = fam.load_trainable(src, plain, torch.device("cpu"), torch.float32, resolve_swap(fam, plain, src)).model
     types = (nn.Linear, nn.Conv2d) if family == "sdxl" else (nn.Linear,)
     unet_keys = [f"lora_unet_{n.replace('.', '_')}" if family == "sdxl" else f"transformer.{n}"
                  for n, m in den.named_modules() if isinstance(m, types)]

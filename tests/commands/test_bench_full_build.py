@@ -15,6 +15,7 @@ from torch import nn
 from imglora.commands import bench
 from imglora.commands.common import load_config
 from imglora.families import get_family
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(REPO / "presets" / "tiny-flux.toml")
@@ -69,7 +70,9 @@ def _qlinear():
 def _flux(device: torch.device, blocks: int, fp8: bool = True):
     cfg = load_config(TINY_FLUX, [f"memory.fp8={'true' if fp8 else 'false'}"])
     family = get_family("flux")
-    return family.full_trainable(cfg.replace(memory={"blocks_to_swap": blocks}), torch.float32, device)
+    cfg = cfg.replace(memory={"blocks_to_swap": blocks})
+    swap = resolve_swap(family, cfg, lengths=family.full_block_counts(cfg))  # as bench-swap's worker does
+    return family.full_trainable(cfg, torch.float32, swap, device)
 
 
 def test_flux_parts_are_quantized_as_made_and_swapped_blocks_go_to_the_host(small, on_cpu_too, moves) -> None:

@@ -23,6 +23,7 @@ from imglora.data.batches import Batcher
 from imglora.families import get_family
 from imglora.families._shared.diffusers_image import ADAPTER_FILE
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_datasets"
@@ -173,7 +174,8 @@ def test_a_mask_zeroing_the_right_half_is_cached_with_the_latents_and_stops_its_
     assert plain_keys.isdisjoint(s.key for s in cache.plan(cfg, family, src, "cpu").latents)  # the mask is in the key
     mask = data.samples[0].variants[0]["loss_mask"]
     assert mask.shape == (1, 16, 16) and mask[..., 8:].eq(0).all() and mask[..., :8].eq(1).all()
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     batch = family.collate([s.entry() for s in data.samples])
     grads = _prediction_grad(trainable, batch, lambda out: out.sample)
     assert grads[..., 8:].abs().max() == 0 and grads[..., :8].abs().min() > 0
@@ -190,7 +192,8 @@ def test_flux_trains_the_sets_and_weights_its_packed_loss_by_the_mask(every_opti
     assert result.adapter.is_file() and not result.interrupted
     family, src, data = prepared(cfg)
     # fp8 off here: the gradient of the prediction needs no quantized weight to take a gradient
-    trainable = family.load_trainable(src, cfg.replace(memory={"fp8": False}), torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg.replace(memory={"fp8": False}), src)
+    trainable = family.load_trainable(src, cfg.replace(memory={"fp8": False}), torch.device("cpu"), torch.float32, swap)
     masked = [s for s in data.samples if "loss_mask" in s.variants[0] and s.bucket == data.samples[0].bucket][:2]
     batch = family.collate([s.entry() for s in masked])
     grads = _prediction_grad(trainable, batch, lambda out: out[0])

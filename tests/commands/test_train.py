@@ -22,6 +22,7 @@ from imglora.models.resolve import resolve_model
 from imglora.commands.train import train
 from imglora.training.step import make_scheduler
 from imglora.training.trainer import NonFiniteLoss
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"
@@ -112,7 +113,8 @@ def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
     cond = {"encoder_hidden_states": torch.randn(1, 77, 64),
             "added_cond_kwargs": {"text_embeds": torch.randn(1, 32), "time_ids": torch.tensor([[128., 128, 0, 0, 128, 128]])}}
 
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, model_dir)
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
     unet = trainable.model.eval()
     with torch.no_grad():
         base = unet(x, t, **cond).sample
@@ -135,7 +137,8 @@ def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
 def test_only_lora_parameters_train(small) -> None:
     cfg = load_cfg(small)
     family = get_family("sdxl")
-    trainable = family.load_trainable(resolve_model("tiny:sdxl", get_family("sdxl")), cfg, torch.device("cpu"), torch.float32)
+    src = resolve_model("tiny:sdxl", family)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, resolve_swap(family, cfg, src))
     unet = trainable.model
     lora.inject(unet, family, cfg.lora, seed=1)
     base_before = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_" not in n}

@@ -17,6 +17,7 @@ from imglora.data import cache
 from imglora.families import registry
 from imglora.families._shared import flow_matching
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-chroma.toml"
@@ -69,7 +70,8 @@ def test_text_is_chroma_pipelines_and_the_loss_its_transformers(prepared, monkey
     # rounding differs in the last bits where their kernels take other paths (seen: 1e-6).
     torch.testing.assert_close(entry["prompt_embeds"], embeds[0], rtol=1e-5, atol=4e-6)
 
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     lat = entry["latents"][None]
     _, c, h, w = lat.shape
     x0 = pipe._pack_latents(lat, 1, c, h, w)
@@ -98,8 +100,9 @@ def test_checkpointing_keeps_the_mask_in_the_single_blocks(prepared) -> None:
     batch = {k: v[None] for k, v in entry.items()}
 
     def loss_and_grads(checkpointing: bool, hooks: bool = True):
-        trainable = family.load_trainable(src, cfg.replace(memory={"gradient_checkpointing": checkpointing}),
-                                          torch.device("cpu"), torch.float32)
+        run_cfg = cfg.replace(memory={"gradient_checkpointing": checkpointing})
+        trainable = family.load_trainable(src, run_cfg, torch.device("cpu"), torch.float32,
+                                          resolve_swap(family, run_cfg, src))
         lora.inject(trainable.model, family, cfg.lora, seed=0)
         for n, p in trainable.model.named_parameters():
             if "lora_B" in n:
@@ -125,9 +128,11 @@ def test_checkpointing_keeps_the_mask_in_the_single_blocks(prepared) -> None:
 def test_the_fp8_base_is_read_block_by_block_and_kept_for_the_next_run(prepared) -> None:
     cfg, family, src, entry = prepared
     fp8 = cfg.replace(memory={"fp8": True, "blocks_to_swap": 2})
-    first = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, fp8, src)
+    first = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32, swap)
     assert first.facts["quantized_cache"]["hit"] is False
-    again = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, fp8, src)
+    again = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32, swap)
     assert again.facts["quantized_cache"]["hit"] is True, (first.facts, again.facts)
     a, b = first.model.state_dict(), again.model.state_dict()
     assert a.keys() == b.keys()

@@ -15,6 +15,7 @@ from imglora.data import cache
 from imglora.families import get_family
 from imglora.models.resolve import resolve_model
 from imglora.commands.train import train
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["sdxl", "flux"]
@@ -47,7 +48,8 @@ def test_encode_shapes_and_loss(name: str, small) -> None:
         assert e["time_ids"].shape == (6,)
         length = 77 if name == "sdxl" else 32
         assert e["prompt_embeds"].shape[0] == length and e["pooled_prompt_embeds"].shape == (32,)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, model_dir)
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     batch = {k: v[None] for k, v in samples[0].variants[0].items()}
     loss = trainable.loss(batch, torch.Generator().manual_seed(0))
@@ -61,7 +63,8 @@ def test_encode_shapes_and_loss(name: str, small) -> None:
 def test_flux_lora_targets_stay_inside_the_blocks() -> None:
     family = get_family("flux")
     cfg = load_config(REPO / "presets" / "tiny-flux.toml")
-    trainable = family.load_trainable(resolve_model("tiny:flux", get_family("flux")), cfg, torch.device("cpu"), torch.float32)
+    src = resolve_model("tiny:flux", family)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, resolve_swap(family, cfg, src))
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trainable.model.named_modules() if n.endswith(".lora_A")}
     assert "proj_out" not in adapted  # the final projection has the same name as single blocks' proj_out
@@ -81,7 +84,8 @@ def test_adapter_round_trips_through_diffusers(name: str, small) -> None:
     weights = load_file(str(result.adapter))
     assert all(k.startswith(f"{family.denoiser}.") for k in weights)
 
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, model_dir)
+    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
     model = trainable.model.eval()
     lora.inject(model, family, cfg.lora, seed=0)
     lora.load_adapter_state(model, {k.split(".", 1)[1]: v for k, v in weights.items()})

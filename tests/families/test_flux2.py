@@ -27,6 +27,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.flux2 import model as f2
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+from imglora.memory.wrap import resolve_swap
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -82,7 +83,8 @@ def reference_loss(pipe, transformer, x0: torch.Tensor, noise: torch.Tensor, sig
 
 def test_the_loss_is_the_pipelines_prediction_of_the_flow(prepared, pipe, monkeypatch) -> None:
     cfg, family, src, entries = prepared
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     entry = entries[0]
     x0 = entry["latents"][None]
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(5))
@@ -137,8 +139,8 @@ def test_the_model_is_named_by_its_pipeline_and_the_swap_count_by_blocks(prepare
     with pytest.raises(ImgloraError, match=r"memory.blocks_to_swap = 5, but this FLUX.2 model has 2 double and 2 "
                                            r"single blocks; the largest valid number is 4"):
         family.swap_counts(counts, family.with_blocks_to_swap(cfg, 5))
-    assert f2.swapped_blocks(counts, cfg.replace(memory={"blocks_to_swap": 3})) == {
-        ("double", 1), ("single", 0), ("single", 1)}
+    assert resolve_swap(family, family.with_blocks_to_swap(cfg, 3), src).modules() == {
+        "transformer_blocks.1", "single_transformer_blocks.0", "single_transformer_blocks.1"}
     assert f2.block_counts(f2.MODELS["dev"]) == [8, 48] and f2.block_counts(f2.MODELS["klein"]) == [5, 20]
 
 

@@ -16,6 +16,8 @@ from imglora.errors import ConfigError, DataError, ImgloraError
 from imglora.families import get_family
 from imglora.families.llm import ADAPTER_FILE, LlmTrainable
 from imglora.models.resolve import ModelSource, resolve_model
+from imglora.memory.wrap import resolve_swap
+from imglora.memory.swap import NO_SWAP
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-llm.toml"
@@ -216,7 +218,8 @@ def test_qint4_keeps_lora_trainable_and_saves_memory(model_dir: Path) -> None:
 
     family = get_family("llm")
     cfg = load_config(PRESET)
-    trainable = family.load_trainable(ModelSource(model_dir), cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, ModelSource(model_dir))
+    trainable = family.load_trainable(ModelSource(model_dir), cfg, torch.device("cpu"), torch.float32, swap)
     model = trainable.model
     lora.inject(model, family, cfg.lora, seed=0)
     report = quantize_4bit(model, family.quantize_exclude, "qint4")
@@ -328,7 +331,8 @@ def test_adapter_loads_in_peft_changes_logits_and_merges(run, model_dir: Path, t
 
     # read_adapter gives the keys lora.load_adapter_state expects (the resume path).
     family = get_family("llm")
-    trainable = family.load_trainable(ModelSource(model_dir), cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, ModelSource(model_dir))
+    trainable = family.load_trainable(ModelSource(model_dir), cfg, torch.device("cpu"), torch.float32, swap)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     lora.load_adapter_state(trainable.model, family.read_adapter(adapter))
     with torch.no_grad():
@@ -396,7 +400,7 @@ def test_full_architecture_and_synthetic_batch_for_benchmarks(monkeypatch) -> No
                                              "eos_token_id": 2, "pad_token_id": 0})
     cfg = load_config(PRESET, ["llm.max_seq_len=32"])
     family = get_family("llm")
-    trainable = family.full_trainable(cfg, torch.float32)
+    trainable = family.full_trainable(cfg, torch.float32, NO_SWAP)
     assert torch.isfinite(trainable.model.model.rotary_emb.inv_freq).all()
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     batch = family.synthetic_batch(trainable, 0, cfg, torch.device("cpu"))

@@ -22,6 +22,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.qwen_image import model as qwen_model
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+from imglora.memory.wrap import resolve_swap
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +105,8 @@ def test_captions_are_the_pipelines_embeddings_and_latents_the_training_scripts(
 def test_the_loss_is_the_transformers_prediction_as_the_pipeline_calls_it(prepared, pipe, monkeypatch) -> None:
     cfg, family, src, entries = prepared
     entry = entries[0]
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     lat = entry["latents"][None]
     _, c, h, w = lat.shape
     x0 = pipe._pack_latents(lat, 1, c, h, w)  # QwenImagePipeline's packing
@@ -153,7 +155,8 @@ def test_captions_of_other_lengths_are_padded_and_masked(prepared) -> None:
     assert "prompt_mask" not in family.collate([a, a])  # equal lengths: no mask (the unmasked kernels)
     # Each sample's prediction in the padded batch is its prediction alone (the mask hides the padding):
     # the same math in batches of other shapes (float32 rounding: 1e-5).
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     _, _, h, w = batch["latents"].shape
     packed = flow_matching.pack_latents(batch["latents"])
 
@@ -174,7 +177,8 @@ def test_captions_of_other_lengths_are_padded_and_masked(prepared) -> None:
 
 def test_the_last_blocks_text_outputs_take_no_adapter_and_every_adapter_learns(prepared) -> None:
     cfg, family, src, entries = prepared
-    trainable = family.load_trainable(src, cfg.replace(lora={"type": "dora"}), torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg.replace(lora={"type": "dora"}), src)
+    trainable = family.load_trainable(src, cfg.replace(lora={"type": "dora"}), torch.device("cpu"), torch.float32, swap)
     lora.inject(trainable.model, family, cfg.replace(lora={"type": "dora"}).lora, seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trainable.model.named_modules() if n.endswith(".lora_A")}
     last = len(trainable.model.transformer_blocks) - 1
@@ -192,7 +196,8 @@ def test_blocks_to_swap_counts_blocks_and_says_the_largest(prepared) -> None:
     assert counts == [3] and family.swap_counts(counts, family.with_blocks_to_swap(cfg, 2)) == [2]
     with pytest.raises(ImgloraError, match=r"memory.blocks_to_swap = 4, but Qwen-Image has only 3 blocks .* 3$"):
         family.swap_counts(counts, family.with_blocks_to_swap(cfg, 4))
-    assert qwen_model.swapped_blocks(counts, cfg.replace(memory={"blocks_to_swap": 2})) == {("block", 1), ("block", 2)}
+    two = resolve_swap(family, family.with_blocks_to_swap(cfg, 2), src)
+    assert two.modules() == {"transformer_blocks.1", "transformer_blocks.2"} and family.full_block_counts(cfg) == [60]
 
 
 def test_the_comfyui_workflow_loads_the_split_files_and_samples_with_real_cfg() -> None:

@@ -26,6 +26,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.qwen_image21 import model as q21
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+from imglora.memory.wrap import resolve_swap
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -95,7 +96,8 @@ def test_the_loss_is_the_pipelines_step(prepared, pipe, monkeypatch) -> None:
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
     cfg, family, src, entries = prepared
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     entry = entries[0]
     lat = entry["latents"][None]
     _, c, h, w = lat.shape
@@ -133,7 +135,8 @@ def test_captions_of_other_lengths_train_in_one_batch_with_a_mask(prepared) -> N
     batch = family.collate([a, b])
     assert batch["prompt_embeds"].shape[1] == a["prompt_embeds"].shape[0]
     assert batch["prompt_mask"].tolist()[1] == [True] * (a["prompt_embeds"].shape[0] - 3) + [False] * 3
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     loss = trainable.loss(batch, torch.Generator().manual_seed(0))
     assert loss.ndim == 0 and torch.isfinite(loss)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from imglora.families._shared.weighting import batch_loss, per_item_mse
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +98,8 @@ def test_the_eval_sampler_of_a_zero_terminal_snr_model_starts_from_pure_noise(tm
     config = ztsnr / "scheduler" / "scheduler_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "rescale_betas_zero_snr": True,
                                   "prediction_type": "v_prediction"}))
-    unet = family.load_trainable(plain, cfg, torch.device("cpu"), torch.float32).model
+    swap = resolve_swap(family, cfg, plain)
+    unet = family.load_trainable(plain, cfg, torch.device("cpu"), torch.float32, swap).model
     leading = family.load_sampler(plain, unet, cfg, torch.device("cpu"), torch.float32).settings
     trailing = family.load_sampler(resolve_model(str(ztsnr), family), unet, cfg, torch.device("cpu"),
                                    torch.float32).settings
@@ -161,8 +163,8 @@ def test_huber_trains_every_image_family_and_is_refused_for_the_llm() -> None:
         cfg = load_config(REPO / "presets" / f"tiny-{name}.toml", ['train.loss_type="huber"', "memory.fp8=false",
                                                                     "memory.blocks_to_swap=0"])
         family = registry.get(name)
-        trainable = family.load_trainable(resolve_model(cfg.model.path, family), cfg, torch.device("cpu"),
-                                          torch.float32)
+        src = resolve_model(cfg.model.path, family)
+        trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, resolve_swap(family, cfg, src))
         batch = family.synthetic_batch(trainable, 64, cfg, torch.device("cpu"))
         with torch.no_grad():
             huber = trainable.loss(batch, torch.Generator().manual_seed(0))

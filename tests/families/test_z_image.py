@@ -25,6 +25,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.z_image import model as z_model
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
+from imglora.memory.wrap import resolve_swap
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -86,7 +87,8 @@ def reference_loss(transformer, x0: torch.Tensor, noise: torch.Tensor, sigma: to
 
 def test_the_loss_is_the_pipelines_prediction_of_the_flow(prepared, monkeypatch) -> None:
     cfg, family, src, entries = prepared
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     entry = entries[0]
     x0 = entry["latents"][None]
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(5))
@@ -118,7 +120,8 @@ def test_captions_of_other_lengths_are_padded_and_each_sample_sees_its_own(prepa
     assert batch["prompt_embeds"].shape == (2, n, a["prompt_embeds"].shape[1])
     assert batch["prompt_mask"].tolist() == [[i < e["prompt_embeds"].shape[0] for i in range(n)] for e in (a, b)]
     assert "prompt_mask" not in family.collate([a, a])
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32)
+    swap = resolve_swap(family, cfg, src)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
     noise = torch.randn(2, *a["latents"].shape, generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.3, 0.7])
 
@@ -140,7 +143,8 @@ def test_blocks_to_swap_counts_the_main_blocks_and_says_the_largest(prepared) ->
     assert counts == [1, 1, 3] and family.swap_counts(counts, family.with_blocks_to_swap(cfg, 2)) == [0, 0, 2]
     with pytest.raises(ImgloraError, match=r"memory.blocks_to_swap = 4, but Z-Image has only 3 main blocks .* 3$"):
         family.swap_counts(counts, family.with_blocks_to_swap(cfg, 4))
-    assert z_model.swapped_blocks(counts, cfg.replace(memory={"blocks_to_swap": 2})) == {("layer", 1), ("layer", 2)}
+    two = resolve_swap(family, family.with_blocks_to_swap(cfg, 2), src)
+    assert two.modules() == {"layers.1", "layers.2"} and family.full_block_counts(cfg) == [2, 2, 30]
     assert z_model.block_counts(z_model.CONFIGS) == [2, 2, 30]  # the real model
 
 

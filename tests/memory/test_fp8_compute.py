@@ -147,6 +147,7 @@ def test_apply_memory_switches_the_layers_or_says_why_not(monkeypatch) -> None:
 
     from imglora.config.schema import MemoryConfig
     from imglora.memory import fp8_compute as mod
+    from imglora.memory.swap import NO_SWAP
     from imglora.memory.wrap import apply_memory
 
     class Family:
@@ -157,13 +158,13 @@ def test_apply_memory_switches_the_layers_or_says_why_not(monkeypatch) -> None:
 
     said: list[str] = []
     monkeypatch.setattr(mod, "supported", lambda device: (False, "this GPU (compute capability 8.0) has no fp8"))
-    setup = apply_memory(build_flux(), Family, Cfg, torch.device("cpu"), out=said.append)
+    setup = apply_memory(build_flux(), Family, Cfg, torch.device("cpu"), NO_SWAP, out=said.append)
     assert setup.facts["fp8_compute"] == {"enabled": False, "reason": "this GPU (compute capability 8.0) has no fp8"}
     assert said[-1] == ("memory.fp8_compute: this GPU (compute capability 8.0) has no fp8; the fp8 weights are "
                         "dequantized for bf16 matmuls instead")
     monkeypatch.setattr(mod, "supported", lambda device: (True, ""))
     model = build_flux()
-    setup = apply_memory(model, Family, Cfg, torch.device("cpu"), out=said.append)
+    setup = apply_memory(model, Family, Cfg, torch.device("cpu"), NO_SWAP, out=said.append)
     n = setup.facts["fp8_compute"]["layers"]
     assert setup.facts["fp8_compute"]["enabled"] and n == setup.facts["fp8"]["quantized_layers"] > 50
     assert said[-1] == f"fp8 compute: {n} Linear layers multiply in fp8 (torch._scaled_mm)"

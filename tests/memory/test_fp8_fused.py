@@ -192,6 +192,7 @@ def test_tiny_flux_trains_with_the_fused_path_as_with_quantos() -> None:
 def test_apply_memory_installs_it_and_says_so() -> None:
     from imglora.config.schema import MemoryConfig
     from imglora.memory.fp8_fused import _forward
+    from imglora.memory.swap import NO_SWAP
     from imglora.memory.wrap import apply_memory
 
     class Family:
@@ -202,7 +203,7 @@ def test_apply_memory_installs_it_and_says_so() -> None:
 
     said: list[str] = []
     model = build_flux()
-    setup = apply_memory(model, Family, Cfg, torch.device("cpu"), out=said.append)
+    setup = apply_memory(model, Family, Cfg, torch.device("cpu"), NO_SWAP, out=said.append)
     n = setup.facts["fp8"]["quantized_layers"]
     assert setup.facts["fp8"]["fused"] is True and n > 50
     assert said[-1] == f"fp8: {n} Linear layers dequantize once per use, scales and bias fused (memory.fp8_fused)"
@@ -211,5 +212,5 @@ def test_apply_memory_installs_it_and_says_so() -> None:
     fused = [m for m in model.modules() if isinstance(m, QLinear) and getattr(m.forward, "__func__", None) is _forward]
     assert len(fused) == n
     Cfg.memory = replace(MemoryConfig(), fp8=True)
-    setup = apply_memory(build_flux(), Family, Cfg, torch.device("cpu"), out=said.append)
+    setup = apply_memory(build_flux(), Family, Cfg, torch.device("cpu"), NO_SWAP, out=said.append)
     assert setup.facts["fp8"]["fused"] is False

@@ -20,6 +20,7 @@ from imglora.errors import ImgloraError
 from imglora.families import get_family
 from imglora.families._shared.diffusers_image import ADAPTER_FILE
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"
@@ -52,7 +53,8 @@ def test_training_keeps_the_average_every_n_updates_and_resumes_it(small_run, tm
     train(cfg, out=lambda _: None)
     run = cfg.run_dir
     fam = get_family("sdxl")
-    model = fam.load_trainable(resolve_model("tiny:sdxl", fam), cfg, torch.device("cpu"), torch.float32).model
+    swap = resolve_swap(fam, cfg, resolve_model("tiny:sdxl", fam))
+    model = fam.load_trainable(resolve_model("tiny:sdxl", fam), cfg, torch.device("cpu"), torch.float32, swap).model
     lora.inject(model, fam, cfg.lora, cfg.train.seed)
     initial = lora.adapter_state_dict(model)
     w2 = fam.read_adapter(checkpoint.step_dir(run, 2) / "adapter")

@@ -167,17 +167,8 @@ def check_counts(cfg: Any, settings: list[Setting], arch: str) -> None:
 
 def _block_lengths(cfg: Any, family: Any, arch: str) -> tuple[list[int] | None, str]:
     """Blocks per swappable list of the model the settings will run, from its config alone."""
-    from ..family import Plannable
-
-    if arch == "full":  # the family's full-size architecture, as ``imglora plan`` builds it on the meta device
-        from ..family import supports
-
-        if not supports(family, Plannable):
-            return None, ""
-        import torch
-
-        model = family.meta_trainable(None, cfg, torch.bfloat16).model
-        return [len(model.get_submodule(n)) for n in family.swappable_blocks], f"the full-size {family.name} model"
+    if arch == "full":  # the family's full-size architecture, the one full_trainable builds
+        return family.full_block_counts(cfg), f"the full-size {family.name} model"
     from ..models.resolve import resolve_model
 
     return family.block_counts(resolve_model(cfg.model, family)), cfg.model.path
@@ -325,6 +316,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     from ..training import step as loop
     from ..runs import record, telemetry
     from ..memory.fp8 import weight_bytes
+    from ..memory.swap import NO_SWAP
+    from ..memory.wrap import resolve_swap
     from ..models.resolve import resolve_model
     from ..family import Swappable, supports
     from .common import family_of, load_config
@@ -360,16 +353,19 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["arch"] == "full":
             # On CUDA made there block by block (quantized, swapped blocks sent to the host) rather
             # than whole on the host: minutes per setting less for FLUX.1's 12B.
-            trainable = family.full_trainable(cfg, dtype, device)
+            swap = resolve_swap(family, cfg, lengths=family.full_block_counts(cfg)) if supports(family, Swappable) \
+                else NO_SWAP
+            trainable = family.full_trainable(cfg, dtype, swap, device)
             data_source = "synthetic"
             if "full_build" in trainable.facts:
                 result["full_build"] = trainable.facts["full_build"]
         else:
             src = resolve_model(cfg.model, family)
-            trainable = family.load_trainable(src, cfg, device, dtype)
+            swap = resolve_swap(family, cfg, src)
+            trainable = family.load_trainable(src, cfg, device, dtype, swap)
         stage = "memory setup"
         trace(stage)
-        session = loop.build_session(cfg, family, trainable, accelerator, total=None, out=lambda s: None)
+        session = loop.build_session(cfg, family, trainable, accelerator, swap=swap, total=None, out=lambda s: None)
         memory = session.memory
         result["weight_bytes"] = weight_bytes(session.model)
         if spec["arch"] != "full":

@@ -42,7 +42,7 @@ from ..runs import record, sheets, telemetry, trackers
 from ..training.checkpoint import EMA_DIR, list_checkpoints
 from ..errors import ImgloraError
 from ..family import Sampler, Swappable, supports, text_length
-from ..memory.wrap import check_swap_counts
+from ..memory.wrap import resolve_swap
 from ..models.resolve import resolve_model
 from ..runs.progress import Progress
 from .common import family_of, saved_config
@@ -196,7 +196,7 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
               out: Callable[[str], None], kinds: list[str]) -> None:
     with peaks.phase("resolve_model"):
         src = resolve_model(cfg.model, family)
-        check_swap_counts(family, src, cfg)
+        swap = resolve_swap(family, cfg, src)  # eval.blocks_to_swap already in cfg; refused here if it can't be
         loop.check_attention(cfg, device)
     with peaks.phase("cache"):  # held-out images are cached with the training images; usually all reused
         data = family.prepare_data(cfg, src, device)
@@ -212,9 +212,9 @@ def _evaluate(cfg: "Config", family: "Family", run_dir: Path, targets: list[tupl
         encoded = family.encode_prompts(src, prompts, cfg, device)
 
     with peaks.phase("load_model"):
-        trainable = family.load_trainable(src, cfg, device, dtype)
+        trainable = family.load_trainable(src, cfg, device, dtype, swap)
         model = trainable.model
-        _, memory = loop.adapt(trainable, family, cfg, device, out)
+        _, memory = loop.adapt(trainable, family, cfg, device, swap, out)
         model.eval()
         if memory.swapper is None and not cfg.memory.fp8 and cfg.memory.quantization == "none":
             # torch picks another matmul path (at::matmul folds batch dimensions) when a weight requires

@@ -51,12 +51,8 @@ def default_settings(cfg: "Config", family: Any, src: "ModelSource | None", fp8_
 
 
 def _block_lengths(family: Any, src: "ModelSource | None", cfg: "Config") -> list[int]:
-    if src is not None:
-        return family.block_counts(src)
-    import torch
-
-    model = family.meta_trainable(None, cfg, torch.bfloat16).model
-    return [len(model.get_submodule(n)) for n in family.swappable_blocks]
+    """Blocks per swappable list of ``src``'s model, else of the architecture imglora ships."""
+    return family.block_counts(src) if src is not None else family.full_block_counts(cfg)
 
 
 def parse_settings(text: str) -> list[plan.Setting]:

@@ -69,6 +69,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,6 +99,64 @@ def swap_mask(n_blocks: int, n_swap: int) -> list[bool]:
     if not 0 <= n_swap <= n_blocks:
         raise ValueError(f"cannot swap {n_swap} of {n_blocks} blocks: need 0 <= n_swap <= {n_blocks}")
     return [i >= n_blocks - n_swap for i in range(n_blocks)]
+
+
+@dataclass(frozen=True)
+class SwapLayout:
+    """Which blocks of which lists a run keeps in host memory: computed once, where a command starts
+    (:func:`imglora.memory.wrap.resolve_swap`, the one caller of the family's ``swap_counts``), and
+    passed down as data to the loader (which places the blocks as it reads them) and to
+    :func:`imglora.memory.wrap.apply_memory` (which swaps exactly those), so the two cannot disagree.
+    ``lists``: the block lists' attribute paths in execution order; ``lengths``: blocks in each;
+    ``counts``: the last ``counts[i]`` of list ``i`` are swapped (:func:`swap_mask`)."""
+
+    lists: tuple[str, ...] = ()
+    lengths: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not len(self.lists) == len(self.lengths) == len(self.counts):
+            raise ValueError(f"a swap layout needs one length and one count per list: {self}")
+        for name, length, n in zip(self.lists, self.lengths, self.counts):
+            if not 0 <= n <= length:
+                raise ValueError(f"cannot swap {n} of {length} blocks of {name}")
+
+    @property
+    def swapped(self) -> int:
+        """Blocks kept in host memory, over all lists."""
+        return sum(self.counts)
+
+    def masks(self) -> list[tuple[str, list[bool]]]:
+        """``(list, one bool per block: swapped)`` for each list."""
+        return [(name, swap_mask(length, n)) for name, length, n in zip(self.lists, self.lengths, self.counts)]
+
+    def modules(self) -> set[str]:
+        """Module names of the swapped blocks (``"single_transformer_blocks.37"``)."""
+        return {f"{name}.{i}" for name, mask in self.masks() for i, swapped in enumerate(mask) if swapped}
+
+    def swaps(self, name: str, index: int) -> bool:
+        """Whether block ``index`` of the list ``name`` is kept in host memory."""
+        if name not in self.lists:
+            return False
+        i = self.lists.index(name)
+        return index >= self.lengths[i] - self.counts[i]
+
+    def check(self, model: nn.Module) -> None:
+        """Refuse a model whose block lists are not the ones this layout was computed for (a layout
+        is computed from the model's config before loading; the loaded model must agree)."""
+        found = tuple(len(_attribute(model, name)) for name in self.lists)
+        if found != self.lengths:
+            raise RuntimeError(f"the swap layout was computed for block lists {dict(zip(self.lists, self.lengths))}, "
+                               f"but the model has {dict(zip(self.lists, found))}")
+
+
+NO_SWAP = SwapLayout()
+
+
+def _attribute(model: nn.Module, path: str) -> Any:
+    for part in path.split("."):
+        model = getattr(model, part)
+    return model
 
 
 # ---------------------------------------------------------------------------------------- engine

@@ -17,15 +17,15 @@ from torch import nn
 from ..util.devices import is_cuda
 from ..family import Swappable, supports
 from .fp8 import to_device
+from .swap import NO_SWAP, BlockSwapper, SwapLayout
 
 if TYPE_CHECKING:
     from ..models.source import ModelSource
-    from .swap import BlockSwapper
 
 
 @dataclass
 class MemorySetup:
-    swapper: "BlockSwapper | None" = None
+    swapper: BlockSwapper | None = None
     offload: Any = None  # offload.OffloadingCheckpoint, with memory.offload_checkpoints
     facts: dict[str, Any] = field(default_factory=dict)  # for the run record
     attention_kernel: str = "auto"  # memory.attention_kernel
@@ -43,39 +43,32 @@ class MemorySetup:
         return context(self.attention_kernel, self.device_type)
 
 
-def check_swap_counts(family: Any, src: "ModelSource", cfg: Any) -> None:
-    """Refuse a swap setting the model cannot take before the model is loaded (from its config)."""
-    if supports(family, Swappable):
-        family.swap_counts(family.block_counts(src), cfg)
-
-
-def swap_plan(model: nn.Module, family: Any, cfg: Any) -> list[tuple[str, list[bool]]]:
-    """``(block list attribute, one bool per block: swapped)`` for each of the family's swappable
-    block lists, as :func:`apply_memory` will swap them; ``[]`` for a
-    family without swappable blocks. Works on a model still on the meta device."""
-    from .swap import swap_mask
-
-    lists = list(family.swappable_blocks) if supports(family, Swappable) else []
+def resolve_swap(family: Any, cfg: Any, src: "ModelSource | None" = None, *, model: nn.Module | None = None,
+                 lengths: list[int] | None = None) -> SwapLayout:
+    """The blocks ``cfg`` keeps in host memory: the family's rule (``swap_counts``, called nowhere
+    else) applied once, where a command starts, and passed down as data (to the loader and to
+    :func:`apply_memory`). The block counts come from the model's config (``src``, before anything
+    is loaded, so a count the model cannot take is refused then), from a built model (``model``, e.g.
+    on the meta device) or are given (``lengths``). A family without swappable blocks gets
+    :data:`NO_SWAP`."""
+    lists = tuple(family.swappable_blocks) if supports(family, Swappable) else ()
     if not lists:
-        return []
-    lengths = [len(getattr(model, n)) for n in lists]
-    counts = family.swap_counts(lengths, cfg)
-    return [(name, swap_mask(length, n)) for name, length, n in zip(lists, lengths, counts)]
+        return NO_SWAP
+    if lengths is None and model is not None:
+        lengths = [len(getattr(model, name)) for name in lists]
+    elif lengths is None and src is not None:
+        lengths = list(family.block_counts(src))
+    elif lengths is None:
+        raise TypeError("resolve_swap needs the model source, a built model or the block counts")
+    return SwapLayout(lists, tuple(lengths), tuple(family.swap_counts(list(lengths), cfg)))
 
 
-def swapped_modules(model: nn.Module, family: Any, cfg: Any) -> set[str]:
-    """Module names (``"single_transformer_blocks.37"``) of the blocks :func:`apply_memory` will swap:
-    a model built piece by piece leaves exactly these on the host."""
-    return {f"{name}.{i}" for name, mask in swap_plan(model, family, cfg)
-            for i, swapped in enumerate(mask) if swapped}
-
-
-def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
+def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device, swap: SwapLayout,
                  out: Callable[[str], None] = print) -> MemorySetup:
-    """FP8 or 4-bit base weights, block swapping and compiled blocks as ``cfg.memory`` asks (the
-    evaluation pass and benchmarks choose their own swap count in ``cfg``:
-    ``family.with_blocks_to_swap``); the model ends on ``device``."""
-    setup = _placed(model, family, cfg, device, out)
+    """FP8 or 4-bit base weights, block swapping (the blocks ``swap`` names: the layout the model
+    was loaded with, :func:`resolve_swap`) and compiled blocks as ``cfg.memory`` asks; the model ends
+    on ``device``."""
+    setup = _placed(model, family, cfg, device, swap, out)
     setup.attention_kernel, setup.device_type = cfg.memory.attention_kernel, device.type
     from .attention import kernels
 
@@ -92,7 +85,8 @@ def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device,
     return setup
 
 
-def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: Callable[[str], None]) -> MemorySetup:
+def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, swap: SwapLayout,
+            out: Callable[[str], None]) -> MemorySetup:
     setup = MemorySetup()
     m = cfg.memory
     if m.fp8:
@@ -129,13 +123,12 @@ def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, out: 
         setup.facts[kind] = {"bytes_before": q4.bytes_before, "bytes_after": q4.bytes_after,
                              "quantized_layers": q4.n_quantized, "kept_layers": list(q4.kept)}
         setup.facts["quantization"] = {"setting": m.quantization, "ran": kind, "why": why}
-    plan = swap_plan(model, family, cfg)
-    lists, counts = [name for name, _ in plan], [sum(block_mask) for _, block_mask in plan]
-    if not any(counts):
+    swap.check(model)
+    plan = swap.masks()
+    lists, counts = swap.lists, swap.counts
+    if not swap.swapped:
         to_device(model, device)
         return setup
-
-    from .swap import BlockSwapper
 
     blocks, mask = [], []
     for name, block_mask in plan:

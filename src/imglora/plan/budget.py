@@ -17,8 +17,10 @@ if TYPE_CHECKING:
 
 
 def valid_swap(family: Any, lengths: list[int], cfg: "Config", n: int) -> bool:
+    from ..memory.wrap import resolve_swap
+
     try:
-        family.swap_counts(lengths, family.with_blocks_to_swap(cfg, n))
+        resolve_swap(family, family.with_blocks_to_swap(cfg, n), lengths=lengths)
         return True
     except ImgloraError:
         return False

@@ -255,7 +255,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
     update predicted on ``time_device`` (a ``plan_time.Device``) when given."""
     from ..util import devices
     from ..family import supports
-    from ..memory.wrap import swap_plan
+    from ..memory.wrap import resolve_swap
 
     from ..family import Benchable, Plannable, Swappable
 
@@ -286,7 +286,7 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in FP8_SETTINGS else set()
 
         swap_cfg = family.with_blocks_to_swap(cfg, s.blocks) if supports(family, Swappable) else cfg
-        plan_ = swap_plan(model, family, swap_cfg)
+        plan_ = resolve_swap(family, swap_cfg, model=model).masks()
         if s.blocks and not plan_:
             raise ImgloraError(f"the {family.name} family has no swappable blocks; use 0 blocks")
         resident = swapped = 0

@@ -26,6 +26,7 @@ from ..memory.wrap import MemorySetup, apply_memory
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..memory.swap import SwapLayout
     from ..family import Family, Trainable
 
 
@@ -84,9 +85,10 @@ def accelerator_for(cfg: "Config", trackers: list[Any] | None = None) -> Any:
                        kwargs_handlers=kwargs, log_with=trackers or None)
 
 
-def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device,
+def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch.device, swap: "SwapLayout",
           out: Callable[[str], None] = print) -> tuple[Any, MemorySetup]:
-    """LoRA on the loaded model, then its memory features; the same for training, bench and eval.
+    """LoRA on the loaded model, then its memory features (``swap``: the layout it was loaded with);
+    the same for training, bench and eval.
 
     Returns the peft config and the memory setup (its ``before_forward`` runs before each forward).
     """
@@ -99,7 +101,7 @@ def adapt(trainable: "Trainable", family: "Family", cfg: "Config", device: torch
     for module in (trainable.model, *encoders.values()):
         for p in lora.trainable_parameters(module):
             p.data = p.data.float()  # LoRA weights and their optimizer state train in fp32
-    return lora_config, apply_memory(trainable.model, family, cfg, device, out)  # fp8, swap, device
+    return lora_config, apply_memory(trainable.model, family, cfg, device, swap, out)  # fp8, swap, device
 
 
 def check_attention(cfg: "Config", device: torch.device) -> None:
@@ -128,10 +130,11 @@ def load_adapter(model: torch.nn.Module, trainable: "Trainable", family: "Family
         lora.load_adapter_state(encoder, family.read_adapter(folder, part))
 
 
-def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accelerator: Any, *, total: int | None,
-                  out: Callable[[str], None] = print) -> Session:
-    """LoRA, memory features, optimizer and (with ``total`` updates) the learning-rate schedule."""
-    lora_config, memory = adapt(trainable, family, cfg, accelerator.device, out)
+def build_session(cfg: "Config", family: "Family", trainable: "Trainable", accelerator: Any, *, swap: "SwapLayout",
+                  total: int | None, out: Callable[[str], None] = print) -> Session:
+    """LoRA, memory features (``swap``: the layout the model was loaded with), optimizer and (with
+    ``total`` updates) the learning-rate schedule."""
+    lora_config, memory = adapt(trainable, family, cfg, accelerator.device, swap, out)
     encoders = text_encoders(trainable)
     if accelerator.mixed_precision in ("bf16", "fp16"):  # every forward of a session runs under autocast
         for module in (trainable.model, *encoders.values()):

@@ -31,7 +31,7 @@ from ..util.rng import SampleRNG, sample_seed
 from ..errors import ImgloraError
 from .interrupt import Abandoned, saving
 from .interrupt import StopFlag as _StopFlag
-from ..memory.wrap import check_swap_counts
+from ..memory.wrap import resolve_swap
 from ..models.resolve import resolve_model
 from ..family import option
 
@@ -79,7 +79,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         resume.refuse_existing_run(run_dir, command)
     resume.check_dependencies(cfg)
     src = resolve_model(cfg.model, family)
-    check_swap_counts(family, src, cfg)
+    swap = resolve_swap(family, cfg, src)  # the blocks kept on the host, once: refused now if the model can't
     if resume_from is not None:
         resume.check_same_data(resume_from, family.data_version(cfg))
     # Trackers write from the main process only (one wandb run id, one TensorBoard folder).
@@ -114,13 +114,13 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         out(f"data: {data.summary}")
         with rec.phase("load_model"):
             with stages("loading"):
-                trainable = preservation.wrap(family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device)), cfg)
+                trainable = preservation.wrap(family.load_trainable(src, cfg, device, devices.weight_dtype(cfg, device), swap), cfg)
             # One deterministic order of global batches; each process takes its share of every one.
             batcher = Batcher(data.samples, cfg.train.batch_size * procs, cfg.train.seed, collate=family.collate,
                               reg_ratio=cfg.data.reg_ratio)
             total = loop.total_updates(cfg, batcher.per_epoch)
             with stages("quantizing"):
-                session = loop.build_session(cfg, family, trainable, accelerator, total=total, out=out)
+                session = loop.build_session(cfg, family, trainable, accelerator, swap=swap, total=total, out=out)
         n_params = sum(p.numel() for p in session.params)
         effective = cfg.train.batch_size * cfg.train.grad_accum * procs
         out(f"model: {family.name} from {src}, LoRA rank {cfg.lora.rank} alpha {cfg.lora.alpha:g}, "

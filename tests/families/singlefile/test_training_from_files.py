@@ -20,6 +20,7 @@ from imglora.errors import ModelSourceError
 from imglora.families import registry
 from imglora.models.resolve import resolve_model
 from imglora.models.tiny import ensure_tiny
+from imglora.memory.wrap import resolve_swap
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -76,12 +77,14 @@ def test_a_v_prediction_checkpoint_trains_v_prediction(tmp_path: Path, sample_da
     cfg = preset("sdxl", tmp_path, sample_dataset, "train.max_steps=1", f"model.path={q(ckpt)}",
                  f"model.config={q(tiny)}")
     family = registry.get("sdxl")
-    trainable = family.load_trainable(resolve_model(cfg.model, family), cfg, torch.device("cpu"), torch.float32)
+    src = resolve_model(cfg.model, family)
+    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, resolve_swap(family, cfg, src))
     assert trainable.prediction_type == "v_prediction"
     over = preset("sdxl", tmp_path, sample_dataset, f"model.path={q(ckpt)}", f"model.config={q(tiny)}",
                   'sdxl.prediction_type="epsilon"')
-    assert family.load_trainable(resolve_model(over.model, family), over, torch.device("cpu"),
-                                 torch.float32).prediction_type == "epsilon"
+    src = resolve_model(over.model, family)
+    assert family.load_trainable(src, over, torch.device("cpu"), torch.float32,
+                                 resolve_swap(family, over, src)).prediction_type == "epsilon"
 
 
 @pytest.mark.slow

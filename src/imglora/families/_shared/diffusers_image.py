@@ -20,6 +20,7 @@ from ...errors import ImgloraError
 from ...family import text_length, text_options
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from PIL import Image
 
     from ...config import Config
@@ -406,21 +407,21 @@ def builds_on_device(device: torch.device | None) -> bool:
 
 
 def random_on_device(family: Any, model: torch.nn.Module, cfg: "Config", dtype: torch.dtype, device: torch.device,
-                     parts: list[str]) -> tuple[torch.nn.Module, dict[str, Any]]:
+                     parts: list[str], layout: "SwapLayout") -> tuple[torch.nn.Module, dict[str, Any]]:
     """A full-size architecture built on the meta device, given random weights on ``device`` part by
     part (``parts``: module names, the blocks), each part made ready as it is made, as a streamed
     single-file load does: quantized to fp8 there with ``memory.fp8`` (the family's
     ``quantize_exclude``, matched on full module names), then moved to the host if block swapping
-    will keep it there (the blocks :func:`imglora.memory.wrap.swapped_modules` names for
-    ``cfg``). The device never holds the whole model in ``dtype``, and the host never
+    will keep it there (the blocks ``layout`` names: the command's swap layout, which
+    :func:`imglora.memory.wrap.apply_memory` swaps). The device never holds the whole model in ``dtype``, and the host never
     builds it (a 12B FLUX.1 on the CPU takes minutes). What is left outside the parts (embedders,
     final layers) stays on ``device`` for :func:`imglora.memory.wrap.apply_memory` to finish.
     Returns the model and what was done, for the benchmark's record."""
     from ...memory.fp8 import quantize_fp8, to_device
-    from ...memory.wrap import swapped_modules
     from ...models.tiny import random_init_parts
 
-    swapped = swapped_modules(model, family, cfg)
+    layout.check(model)
+    swapped = layout.modules()
     unknown = swapped - set(parts)
     if unknown:  # a family's parts must cover its swappable blocks, or they would stay on the device
         raise RuntimeError(f"swapped blocks outside the parts built: {sorted(unknown)[:4]}")

@@ -13,19 +13,12 @@ from typing import Any, Callable
 import torch
 
 from ...errors import ImgloraError
-from ...memory.swap import swap_mask
 
 
 def block_count(root: Path, default: int) -> int:
     """``num_layers`` of the model's transformer config."""
     c = json.loads((root / "transformer" / "config.json").read_text())
     return int(c.get("num_layers", default))
-
-
-def swapped_blocks(length: int, cfg: Any) -> set[tuple[str, int]]:
-    """The ("block", index) of every block ``memory.blocks_to_swap`` keeps on the host (the last ones)."""
-    n = min(cfg.memory.blocks_to_swap, length)
-    return {("block", i) for i, swapped in enumerate(swap_mask(length, n)) if swapped}
 
 
 def checked_count(n: int, length: int, model: str, how: str = "") -> int:

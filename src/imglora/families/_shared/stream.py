@@ -17,7 +17,7 @@ import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -27,6 +27,9 @@ from ...errors import ModelSourceError
 from ...memory.host import release_free_memory
 from ...util.owned import own_module
 from ...models.safefiles import diffusers_config, open_file
+
+if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +112,11 @@ def _source_checksums(src: Any) -> dict[str, str]:
     return {p.name: record.cached_sha256(p) for p in sorted(set(transformer_files(src.root).values()))}
 
 
-def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, swapped: set[tuple[str, int]],
+def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.device, layout: "SwapLayout",
                      exclude: tuple[str, ...], *, model_class: str, file_reader: Callable[..., Any],
                      blocks: Mapping[str, str]) -> tuple[Any, dict[str, Any]]:
     """The transformer of ``src`` (files or a folder), each block quantized (``memory.fp8``) and
-    placed as it is read (``swapped``: the (kind, index) of blocks kept on the host); the quantized
+    placed as it is read (``layout``: the swap layout the command computed, whose blocks stay on the host); the quantized
     model cached as the module docstring says. Returns the model and facts for the run record.
     ``model_class``: the diffusers class; ``blocks``: its block lists, {kind: attribute} (FLUX.1's
     ``{"double": "transformer_blocks", "single": "single_transformer_blocks"}``); ``file_reader``:
@@ -123,8 +126,11 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
 
     gpu = is_cuda(device)
 
+    def swapped(kind: str, index: int) -> bool:
+        return layout.swaps(blocks[kind], index)
+
     def place(kind: str, index: int, block: torch.nn.Module) -> None:
-        if gpu and (kind, index) not in swapped:
+        if gpu and not swapped(kind, index):
             to_device(block, device)
 
     if not cfg.memory.fp8:
@@ -161,7 +167,7 @@ def load_transformer(src: Any, cfg: Any, dtype: torch.dtype, device: torch.devic
         quantize_fp8(block, exclude, prefix=f"{blocks[kind]}.{index}.")
         if entry is not None:
             writer.add(f"{blocks[kind]}.{index}.", block)
-        if gpu and (kind, index) in swapped:
+        if gpu and swapped(kind, index):
             to_device(block, "cpu")
 
     try:

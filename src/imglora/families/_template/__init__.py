@@ -19,6 +19,7 @@ from .._shared import diffusers_image as common
 from .._shared.flow_matching import FlowMatchingObjective
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -86,11 +87,13 @@ class TemplateFamily:
         raise todo("{encoder: (the caption's tokens, the limit)} for the truncation warning")
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
         raise todo("the trained module and its loss (model.py: _shared.stream.load_transformer, then a "
                    "Trainable whose loss is the pipeline's step as a training target)")
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
         raise todo("the full-size architecture with random weights (common.random_on_device on CUDA)")
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
@@ -102,6 +105,9 @@ class TemplateFamily:
     # -- block swapping -----------------------------------------------------------------------
     def block_counts(self, src: "ModelSource") -> list[int]:
         raise todo("blocks per swappable list, from the transformer's config")
+
+    def full_block_counts(self, cfg: Any) -> list[int]:
+        raise todo("blocks per swappable list of the model full_trainable builds (its shipped config)")
 
     def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
         raise todo("blocks per list that memory.blocks_to_swap keeps on the host (an error past the largest)")

@@ -26,6 +26,7 @@ from . import comfyui, model, singlefile, tiny
 from .config import ChromaConfig
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -109,11 +110,13 @@ class ChromaFamily:
         return {"T5": (len(encoders[0](caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
+        return model.load_trainable(src, cfg, device, dtype, swap, self.quantize_exclude)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, swap, device, self)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
@@ -123,7 +126,10 @@ class ChromaFamily:
 
     # -- block swapping: FLUX.1's block lists, kohya's count -------------------------------------
     def block_counts(self, src: "ModelSource") -> list[int]:
-        return swap.block_counts(src)
+        return swap.block_counts(src.root)
+
+    def full_block_counts(self, cfg: Any) -> list[int]:
+        return swap.block_counts(model.CONFIGS)
 
     def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
         return swap.swap_counts(lengths, cfg)

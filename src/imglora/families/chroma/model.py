@@ -25,18 +25,18 @@ from .._shared.flow_matching import flow_matching_loss, noised
 from ..flux.model import image_ids
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "chroma1-hd"
 TEXT_MAX_LENGTH = 512  # T5 tokens, as ChromaPipeline encodes prompts
 
 
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...]) -> "ChromaTrainable":
     """Read block by block as FLUX.1's transformer is (``_shared.stream``): each block quantized with
     memory.fp8 and placed as it is read, the quantized model kept in the cache for the next run."""
-    swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class="ChromaTransformer2DModel",
                                                  file_reader=singlefile.load_chroma_transformer, blocks=BLOCKS)
     trainable = _trainable(with_mod_proj(transformer), cfg)
@@ -44,7 +44,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None) -> "ChromaTrainable":
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None, family: Any = None) -> "ChromaTrainable":
     """The real Chroma1-HD transformer architecture (8.9B) with random weights, for benchmarks (made
     block by block on CUDA, as FLUX.1's: ``diffusers_image.random_on_device``)."""
     from .._shared.diffusers_image import builds_on_device, random_on_device
@@ -53,7 +53,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"{name}.{i}" for name in swap.BLOCK_LISTS for i in range(len(getattr(transformer, name)))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(with_mod_proj(transformer), cfg)

@@ -20,6 +20,7 @@ from . import comfyui, keys, model, singlefile, swap, tiny
 from .config import FluxConfig
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -171,8 +172,9 @@ class FluxFamily:
         return {"T5": (len(t5_tok(caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        trainable = model.load_trainable(src, cfg, device, dtype, self.quantize_exclude, self.trainable)
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
+        trainable = model.load_trainable(src, cfg, device, dtype, swap, self.quantize_exclude, self.trainable)
         if cfg.lora.text_encoder:  # CLIP-L only: frozen here, the adapter comes with the transformer's
             trainable.text_encoders = {"text_encoder": self.load_clip(src, dtype).requires_grad_(False)}
         return trainable
@@ -186,8 +188,9 @@ class FluxFamily:
             return load_clip_l(src.files["text_encoder"], src.root, dtype).eval()
         return own_module(CLIPTextModel.from_pretrained(src.root, subfolder="text_encoder", torch_dtype=dtype)).eval()
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, self.trainable)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, swap, device, self, self.trainable)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype, self.trainable)
@@ -197,7 +200,10 @@ class FluxFamily:
 
     # -- block swapping ---------------------------------------------------------------------
     def block_counts(self, src: "ModelSource") -> list[int]:
-        return swap.block_counts(src)
+        return swap.block_counts(src.root)
+
+    def full_block_counts(self, cfg: Any) -> list[int]:
+        return model.full_block_counts()
 
     def swap_counts(self, lengths: list[int], cfg: Any) -> list[int]:
         return swap.swap_counts(lengths, cfg)

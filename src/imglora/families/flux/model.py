@@ -15,15 +15,15 @@ from .._shared.flow_matching import (flow_matching_loss, noised, pack_latents,  
                                       resolution_shift_mu, sample_sigmas)
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...], cls: type | None = None) -> "FluxTrainable":
 
     # Streamed from a file or a folder alike: each block quantized and placed as it is read.
-    swapped = swap.swapped_blocks(swap.block_counts(src), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class="FluxTransformer2DModel",
                                                  file_reader=singlefile.load_flux_transformer, blocks=singlefile.BLOCKS)
     if cfg.memory.gradient_checkpointing:
@@ -33,7 +33,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None, family: Any = None,
                    cls: type | None = None) -> "FluxTrainable":
     """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks.
 
@@ -50,7 +50,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"{name}.{i}" for name in swap.BLOCK_LISTS for i in range(len(getattr(transformer, name)))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     if cfg.memory.gradient_checkpointing:
@@ -83,6 +83,11 @@ SCHNELL_TEXT_MAX_LENGTH = 256  # FLUX.1-schnell's (its pipeline's limit; kohya's
 # FluxTransformer2DModel's defaults are FLUX.1-dev's (19 double + 38 single blocks, 3072 wide);
 # dev also has the guidance embedding. Used by `bench-swap --arch full` before a download.
 FULL_TRANSFORMER: dict[str, Any] = {"guidance_embeds": True}
+
+
+def full_block_counts() -> list[int]:
+    """Double and single blocks of :data:`FULL_TRANSFORMER` (diffusers' defaults: FLUX.1's 19 and 38)."""
+    return [FULL_TRANSFORMER.get("num_layers", 19), FULL_TRANSFORMER.get("num_single_layers", 38)]
 
 
 def image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:

@@ -10,20 +10,17 @@ way, so ``memory.blocks_to_swap`` uses it; ``[flux] double_blocks_to_swap`` /
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from ...errors import ImgloraError
-from ...memory.swap import swap_mask
-
-if TYPE_CHECKING:
-    from ...models.source import ModelSource
 
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
-def block_counts(src: "ModelSource") -> list[int]:
-    """Blocks in each list (double, single), from the transformer's config alone."""
-    c = json.loads((src.root / "transformer" / "config.json").read_text())
+def block_counts(root: Path) -> list[int]:
+    """Blocks in each list (double, single), from the transformer's config (in ``root``) alone."""
+    c = json.loads((root / "transformer" / "config.json").read_text())
     return [int(c.get("num_layers", 19)), int(c.get("num_single_layers", 38))]
 
 
@@ -68,10 +65,3 @@ def kohya_split(n: int, n_double: int, n_single: int) -> tuple[int, int]:
             f"single blocks; the largest valid number is {largest}"
         )
     return n_d, n_s
-
-
-def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    """The (kind, index) of every block the preset swaps (kind "double" or "single")."""
-    counts = swap_counts(lengths, cfg)
-    return {(kind, i) for kind, n, total in zip(("double", "single"), counts, lengths)
-            for i, swapped in enumerate(swap_mask(total, n)) if swapped}

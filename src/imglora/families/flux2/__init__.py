@@ -30,6 +30,7 @@ from . import comfyui, keys, model, singlefile, tiny
 from .config import Flux2Config
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -172,11 +173,13 @@ class Flux2Family:
         return {"Mistral": (len(tokenizer(caption, add_special_tokens=False).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
+        return model.load_trainable(src, cfg, device, dtype, swap, self.quantize_exclude)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self, shipped_root(cfg.model.path))
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, swap, device, self, shipped_root(cfg.model.path))
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         root = src.root if src is not None else shipped_root(cfg.model.path)
@@ -188,6 +191,9 @@ class Flux2Family:
     # -- block swapping: blocks counted one by one, the single blocks first ----------------------
     def block_counts(self, src: "ModelSource") -> list[int]:
         return model.block_counts(src.root)
+
+    def full_block_counts(self, cfg: Any) -> list[int]:
+        return model.block_counts(shipped_root(cfg.model.path))
 
     def with_blocks_to_swap(self, cfg: Any, n: int) -> Any:
         return cfg.replace(memory={"blocks_to_swap": n})

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...errors import ModelSourceError
-from ...memory.swap import swap_mask
 from ...models.tiny import random_init
 from ...util.rng import draws
 from .._shared import stream
 from .._shared.flow_matching import flow_matching_loss, resolution_shift_mu, sample_sigmas
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -72,13 +72,7 @@ def swap_counts(lengths: list[int], n: int) -> list[int]:
     return [min(n - single, lengths[0]), single]
 
 
-def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    counts = swap_counts(lengths, cfg.memory.blocks_to_swap)
-    return {(kind, i) for kind, total, k in zip(BLOCKS, lengths, counts)
-            for i, swapped in enumerate(swap_mask(total, k)) if swapped}
-
-
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...]) -> "Flux2Trainable":
     """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it
     is read, so the host never holds the whole transformer in its load dtype (from a diffusers folder
@@ -87,8 +81,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
     from . import singlefile
 
-    swapped = swapped_blocks(block_counts(src.root), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class=MODEL_CLASS,
                                                  file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
                                                  blocks=BLOCKS)
@@ -97,7 +90,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None, family: Any = None,
                    root: Path | None = None) -> "Flux2Trainable":
     """The real architecture (``root``: the preset's model, else FLUX.2 [klein] base 4B) with random
     weights, for benchmarks (made block by block on CUDA)."""
@@ -107,7 +100,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"{name}.{i}" for name in BLOCKS.values() for i in range(len(getattr(transformer, name)))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(transformer, cfg)

@@ -25,6 +25,7 @@ from . import comfyui, keys, model, singlefile, tiny
 from .config import Krea2Config
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -131,11 +132,13 @@ class Krea2Family:
         return {"Qwen3-VL": (n, max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return model.load_trainable(src, cfg, device, dtype, self.quantize_exclude)
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
+        return model.load_trainable(src, cfg, device, dtype, swap, self.quantize_exclude)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, swap, device, self)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
@@ -146,6 +149,9 @@ class Krea2Family:
     # -- block swapping: one list, counted directly ----------------------------------------------
     def block_counts(self, src: "ModelSource") -> list[int]:
         return model.block_counts(src.root)
+
+    def full_block_counts(self, cfg: Any) -> list[int]:
+        return model.block_counts(model.CONFIGS)
 
     def with_blocks_to_swap(self, cfg: Any, n: int) -> Any:
         return cfg.replace(memory={"blocks_to_swap": n})

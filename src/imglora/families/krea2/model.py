@@ -26,6 +26,7 @@ from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, noised
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "krea-2-raw"
@@ -46,10 +47,6 @@ def block_counts(root: Path) -> list[int]:
     return [one_stream.block_count(root, 28)]
 
 
-def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    return one_stream.swapped_blocks(lengths[0], cfg)
-
-
 def shift_mu(root: Path | None) -> Callable[[int], float]:
     """The pipeline's shift: mu linear in the image's token count, from the model's scheduler config."""
     return one_stream.scheduler_shift(root, CONFIGS, default_max=(6400, 1.15))
@@ -64,7 +61,7 @@ def keep_fp32(transformer: Any) -> Any:
     return transformer
 
 
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...]) -> "Krea2Trainable":
     """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it is
     read (from a diffusers folder, or from Krea's single file: ``singlefile.load_transformer``)."""
@@ -72,8 +69,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
     from . import singlefile
 
-    swapped = swapped_blocks(block_counts(src.root), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class=MODEL_CLASS,
                                                  file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
                                                  blocks=BLOCKS)
@@ -82,14 +78,14 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None) -> "Krea2Trainable":
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None, family: Any = None) -> "Krea2Trainable":
     from .._shared.diffusers_image import builds_on_device, random_on_device
 
     transformer = _meta(CONFIGS, dtype)
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(keep_fp32(transformer), cfg, None)

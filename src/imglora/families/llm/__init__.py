@@ -25,6 +25,7 @@ from .model import (EVAL_MAX_NEW_TOKENS, FULL_CONFIG, LlmTrainable, _Answerer, _
                     _give_add_adapter, base_model_name)
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name (SAFETENSORS_WEIGHTS_NAME)
@@ -95,7 +96,8 @@ class LlmFamily:
         return sum(int((e["labels"][1:] != IGNORE).sum()) for e in entries)
 
     # -- model --------------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> LlmTrainable:
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> LlmTrainable:
         from transformers import AutoModelForCausalLM
 
         # On the CPU: apply_memory quantizes layer by layer, then moves the model to the device.
@@ -109,7 +111,8 @@ class LlmFamily:
         _give_add_adapter(model)
         return LlmTrainable(model)
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> "LlmTrainable":
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> "LlmTrainable":
         """Qwen2.5-7B-Instruct's architecture with random weights (no download), for benchmarks.
 
         Always built on the host (``device`` is not used; the LLM has no swappable blocks): its 4-bit quantization runs on the whole model later."""

@@ -22,6 +22,7 @@ from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, noised
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "qwen-image"
@@ -42,26 +43,20 @@ def block_counts(root: Path) -> list[int]:
     return [one_stream.block_count(root, 60)]
 
 
-def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    """The ("block", index) of every block ``memory.blocks_to_swap`` keeps on the host (the last ones)."""
-    return one_stream.swapped_blocks(lengths[0], cfg)
-
-
 def shift_mu(root: Path | None) -> Callable[[int], float]:
     """The scheduler's dynamic shift as QwenImagePipeline computes it (``calculate_shift``), read from
     the model's scheduler config (the shipped one if it has none)."""
     return one_stream.scheduler_shift(root, CONFIGS)
 
 
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...], make: Any = None) -> "QwenImageTrainable":
     """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it
     is read, so the host never holds the 20B transformer in its load dtype; the quantized model
     kept in the cache for the next run."""
-    swapped = swapped_blocks(block_counts(src.root), cfg)
     from . import singlefile
 
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class=MODEL_CLASS, file_reader=singlefile.load_transformer,
                                                  blocks=BLOCKS)
     trainable = _trainable(with_rope_tables(transformer), cfg, src.root, make)
@@ -69,7 +64,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None, family: Any = None,
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None, family: Any = None,
                    make: Any = None) -> "QwenImageTrainable":
     """The real Qwen-Image transformer architecture (20B) with random weights, for benchmarks (made
     block by block on CUDA: ``diffusers_image.random_on_device``)."""
@@ -79,7 +74,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(with_rope_tables(transformer), cfg, None, make)

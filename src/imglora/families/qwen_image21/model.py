@@ -29,6 +29,7 @@ from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, sample_sigmas
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "qwen-image-2.1"
@@ -49,16 +50,12 @@ def block_counts(root: Path) -> list[int]:
     return [one_stream.block_count(root, 32)]
 
 
-def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    return one_stream.swapped_blocks(lengths[0], cfg)
-
-
 def shift_mu(root: Path | None) -> Callable[[int], float]:
     """The pipeline's shift: mu linear in the image's token count, from the model's scheduler config."""
     return one_stream.scheduler_shift(root, CONFIGS)
 
 
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...]) -> "QwenImage21Trainable":
     """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it is
     read (from a diffusers folder, or from ComfyUI's single file: ``singlefile.load_transformer``)."""
@@ -66,8 +63,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
     from . import singlefile
 
-    swapped = swapped_blocks(block_counts(src.root), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class=MODEL_CLASS,
                                                  file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
                                                  blocks=BLOCKS)
@@ -76,7 +72,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None,
                    family: Any = None) -> "QwenImage21Trainable":
     from .._shared.diffusers_image import builds_on_device, random_on_device
 
@@ -84,7 +80,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(transformer, cfg, None)

@@ -20,6 +20,7 @@ from . import comfyui, keys, model, singlefile, tiny
 from .config import SdxlConfig
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -129,7 +130,8 @@ class SdxlFamily:
                 "CLIP-G": (len(tok2(caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
         trainable = model.load_trainable(src, cfg, dtype)
         if cfg.lora.text_encoder:  # trained with the UNet: frozen here, the adapter comes with the UNet's
             _, _, te1, te2 = self.load_text_encoders(src, torch.device("cpu"), dtype)
@@ -137,8 +139,9 @@ class SdxlFamily:
                                        "text_encoder_2": te2.requires_grad_(False)}
         return trainable
 
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, device, self)
+    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
+        return model.full_trainable(cfg, dtype, device, self)  # (no swappable blocks: swap is NO_SWAP)
 
     def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
         return model.meta_trainable(src.root if src is not None else None, cfg, dtype)

@@ -81,6 +81,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     is swapped). Elsewhere the whole UNet is made on the host, as before."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
+    from ...memory.swap import NO_SWAP
     from .._shared.diffusers_image import builds_on_device, random_on_device
 
     with torch.device("meta"):
@@ -89,7 +90,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     if builds_on_device(device):
         parts = ([f"down_blocks.{i}" for i in range(len(unet.down_blocks))] + ["mid_block"]
                  + [f"up_blocks.{i}" for i in range(len(unet.up_blocks))])
-        unet, facts = random_on_device(family, unet, cfg, dtype, device, parts)
+        unet, facts = random_on_device(family, unet, cfg, dtype, device, parts, NO_SWAP)
     else:
         unet = random_init(unet, dtype)
     if cfg.memory.gradient_checkpointing:

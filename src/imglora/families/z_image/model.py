@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...memory.swap import swap_mask
 from ...models.tiny import random_init
 from .._shared import one_stream, stream
 from .._shared.flow_matching import flow_matching_loss, noised, pack_latents
 
 if TYPE_CHECKING:
+    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 CONFIGS = Path(__file__).parent / "configs" / "z-image-turbo"
@@ -51,14 +51,7 @@ def block_counts(root: Path) -> list[int]:
     return [refiners, refiners, int(c.get("n_layers", 30))]
 
 
-def swapped_blocks(lengths: list[int], cfg: Any) -> set[tuple[str, int]]:
-    """The ("layer", index) of every main block ``memory.blocks_to_swap`` keeps on the host (the last
-    ones; the four small refiner blocks stay on the device)."""
-    n = min(cfg.memory.blocks_to_swap, lengths[2])
-    return {("layer", i) for i, swapped in enumerate(swap_mask(lengths[2], n)) if swapped}
-
-
-def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
+def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype, layout: "SwapLayout",
                    quantize_exclude: tuple[str, ...]) -> "ZImageTrainable":
     """Read block by block (``_shared.stream``): each block quantized with memory.fp8 and placed as it
     is read; the quantized model kept in the cache for the next run."""
@@ -66,8 +59,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
 
     from . import singlefile
 
-    swapped = swapped_blocks(block_counts(src.root), cfg)
-    transformer, facts = stream.load_transformer(src, cfg, dtype, device, swapped, quantize_exclude,
+    transformer, facts = stream.load_transformer(src, cfg, dtype, device, layout, quantize_exclude,
                                                  model_class=MODEL_CLASS,
                                                  file_reader=partial(singlefile.load_transformer, blocks=BLOCKS),
                                                  blocks=BLOCKS)
@@ -76,7 +68,7 @@ def load_trainable(src: "ModelSource", cfg: Any, device: torch.device, dtype: to
     return trainable
 
 
-def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = None,
+def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: torch.device | None = None,
                    family: Any = None) -> "ZImageTrainable":
     """The real Z-Image transformer architecture (6.2B) with random weights, for benchmarks (made block
     by block on CUDA: ``diffusers_image.random_on_device``)."""
@@ -86,7 +78,7 @@ def full_trainable(cfg: Any, dtype: torch.dtype, device: torch.device | None = N
     facts: dict[str, Any] = {}
     if builds_on_device(device):
         parts = [f"{name}.{i}" for name in BLOCKS.values() for i in range(len(getattr(transformer, name)))]
-        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts)
+        transformer, facts = random_on_device(family, transformer, cfg, dtype, device, parts, layout)
     else:
         transformer = random_init(transformer, dtype)
     trainable = _trainable(transformer, cfg)
