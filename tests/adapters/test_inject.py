@@ -8,7 +8,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from imglora.adapters import inject as lora
-from imglora.memory.wrap import resolve_swap
+from loading import tiny_session
 
 
 def run(keep: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
@@ -47,9 +47,6 @@ def test_loraplus_puts_the_b_matrices_at_the_ratio_and_records_it(tmp_path) -> N
     import json as _json
     from pathlib import Path as _Path
 
-    import torch as _torch
-
-    from imglora.training import step as loop
     from imglora.commands.common import load_config
     from imglora.config import ConfigError
     from imglora.families import registry
@@ -61,10 +58,7 @@ def test_loraplus_puts_the_b_matrices_at_the_ratio_and_records_it(tmp_path) -> N
                                                              "train.warmup_steps=0"])
     family = registry.get("sdxl")
     src = resolve_model(cfg.model.path, family)
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, _torch.device("cpu"), _torch.float32, swap)
-    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), swap=swap, total=4,
-                                 out=lambda s: None)
+    session, trainable = tiny_session(family, src, cfg, total=4)
     names = {id(p): n for n, p in session.model.named_parameters()}
     groups = session.optimizer.param_groups
     assert [g["lr"] for g in groups] == [1e-3, 1.6e-2]

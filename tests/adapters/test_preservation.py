@@ -19,6 +19,7 @@ from imglora.data.batches import Batcher
 from imglora.errors import ConfigError
 from imglora.models.resolve import resolve_model
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-flux.toml"
@@ -56,8 +57,7 @@ def test_the_loss_adds_the_weighted_distance_to_the_base_models_prediction(prepa
     cfg, family, src, the_plan = prepared
     samples = cache.load_samples(cfg, family, src, "cpu", the_plan)
     batch = Batcher(samples, 2, seed=0, collate=family.collate).batch(0, torch.device("cpu"))
-    swap = resolve_swap(family, cfg, src)
-    inner = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    inner = load_tiny(family, src, cfg)
     lora.inject(inner.model, family, cfg.lora, seed=0)
     g = torch.Generator().manual_seed(3)
     for n, p in inner.model.named_parameters():

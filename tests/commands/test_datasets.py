@@ -24,6 +24,7 @@ from imglora.families import get_family
 from imglora.families._shared.diffusers_image import ADAPTER_FILE
 from imglora.models.resolve import resolve_model
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_datasets"
@@ -174,8 +175,7 @@ def test_a_mask_zeroing_the_right_half_is_cached_with_the_latents_and_stops_its_
     assert plain_keys.isdisjoint(s.key for s in cache.plan(cfg, family, src, "cpu").latents)  # the mask is in the key
     mask = data.samples[0].variants[0]["loss_mask"]
     assert mask.shape == (1, 16, 16) and mask[..., 8:].eq(0).all() and mask[..., :8].eq(1).all()
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     batch = family.collate([s.entry() for s in data.samples])
     grads = _prediction_grad(trainable, batch, lambda out: out.sample)
     assert grads[..., 8:].abs().max() == 0 and grads[..., :8].abs().min() > 0

@@ -23,6 +23,7 @@ from imglora.commands.train import train
 from imglora.training.step import make_scheduler
 from imglora.training.trainer import NonFiniteLoss
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-sdxl.toml"
@@ -113,8 +114,7 @@ def test_adapter_loads_in_diffusers_and_matches_peft_model(small) -> None:
     cond = {"encoder_hidden_states": torch.randn(1, 77, 64),
             "added_cond_kwargs": {"text_embeds": torch.randn(1, 32), "time_ids": torch.tensor([[128., 128, 0, 0, 128, 128]])}}
 
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, model_dir, cfg)
     unet = trainable.model.eval()
     with torch.no_grad():
         base = unet(x, t, **cond).sample

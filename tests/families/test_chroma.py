@@ -18,6 +18,7 @@ from imglora.families import registry
 from imglora.families._shared import flow_matching
 from imglora.models.resolve import resolve_model
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "presets" / "tiny-chroma.toml"
@@ -70,8 +71,7 @@ def test_text_is_chroma_pipelines_and_the_loss_its_transformers(prepared, monkey
     # rounding differs in the last bits where their kernels take other paths (seen: 1e-6).
     torch.testing.assert_close(entry["prompt_embeds"], embeds[0], rtol=1e-5, atol=4e-6)
 
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     lat = entry["latents"][None]
     _, c, h, w = lat.shape
     x0 = pipe._pack_latents(lat, 1, c, h, w)
@@ -131,8 +131,7 @@ def test_the_fp8_base_is_read_block_by_block_and_kept_for_the_next_run(prepared)
     swap = resolve_swap(family, fp8, src)
     first = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32, swap)
     assert first.facts["quantized_cache"]["hit"] is False
-    swap = resolve_swap(family, fp8, src)
-    again = family.load_trainable(src, fp8, torch.device("cpu"), torch.float32, swap)
+    again = load_tiny(family, src, fp8)
     assert again.facts["quantized_cache"]["hit"] is True, (first.facts, again.facts)
     a, b = first.model.state_dict(), again.model.state_dict()
     assert a.keys() == b.keys()

@@ -16,6 +16,7 @@ from imglora.families import get_family
 from imglora.models.resolve import resolve_model
 from imglora.commands.train import train
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["sdxl", "flux"]
@@ -48,8 +49,7 @@ def test_encode_shapes_and_loss(name: str, small) -> None:
         assert e["time_ids"].shape == (6,)
         length = 77 if name == "sdxl" else 32
         assert e["prompt_embeds"].shape[0] == length and e["pooled_prompt_embeds"].shape == (32,)
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, model_dir, cfg)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     batch = {k: v[None] for k, v in samples[0].variants[0].items()}
     loss = trainable.loss(batch, torch.Generator().manual_seed(0))
@@ -84,8 +84,7 @@ def test_adapter_round_trips_through_diffusers(name: str, small) -> None:
     weights = load_file(str(result.adapter))
     assert all(k.startswith(f"{family.denoiser}.") for k in weights)
 
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, model_dir, cfg)
     model = trainable.model.eval()
     lora.inject(model, family, cfg.lora, seed=0)
     lora.load_adapter_state(model, {k.split(".", 1)[1]: v for k, v in weights.items()})

@@ -21,6 +21,7 @@ from imglora.family import (Benchable, CacheEncoder, EditPairs, Exportable, Fami
 from imglora.families import registry
 from imglora.models.resolve import resolve_model
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny, tiny_session
 
 REPO = Path(__file__).resolve().parents[2]
 # Families whose own test files check them in the default run keep this contract for CI (--slow): the
@@ -70,8 +71,7 @@ def test_is_a_family_with_a_section_a_tiny_model_and_a_data_version(prepared) ->
 
 def test_finite_loss_and_gradients_on_lora_only(prepared) -> None:
     family, cfg, model_dir, data = prepared
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, model_dir, cfg)
     lora.inject(trainable.model, family, cfg.lora, seed=0)
     batch = family.collate([data.samples[0].variants[0]])
     loss = trainable.loss(batch, torch.Generator().manual_seed(0))
@@ -84,8 +84,7 @@ def test_finite_loss_and_gradients_on_lora_only(prepared) -> None:
 
 def test_adapter_saves_and_reads_back_exactly(prepared, tmp_path: Path) -> None:
     family, cfg, model_dir, _ = prepared
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, model_dir, cfg)
     peft_cfg = lora.inject(trainable.model, family, cfg.lora, seed=0)
     gen = torch.Generator().manual_seed(1)
     for n, p in trainable.model.named_parameters():
@@ -114,8 +113,7 @@ def test_each_claimed_capability_works(prepared) -> None:
         none = family.with_blocks_to_swap(cfg, 0)
         assert none.memory.blocks_to_swap == 0 and family.swap_counts(counts, none) == [0] * len(counts)
     if supports(family, Benchable):
-        swap = resolve_swap(family, cfg, model_dir)
-        trainable = family.load_trainable(model_dir, cfg, device, torch.float32, swap)
+        trainable = load_tiny(family, model_dir, cfg, device, torch.float32)
         batch = family.synthetic_batch(trainable, 64, cfg, device)
         with torch.no_grad():
             assert torch.isfinite(trainable.loss(batch, torch.Generator().manual_seed(0)))
@@ -129,10 +127,7 @@ def test_each_claimed_capability_works(prepared) -> None:
 def test_one_update_through_the_shared_step(prepared) -> None:
     family, cfg, model_dir, data = prepared
     accelerator = loop.accelerator_for(cfg)
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
-    session = loop.build_session(cfg, family, trainable, accelerator, swap=swap, total=2,
-                                 out=lambda s: None)
+    session, trainable = tiny_session(family, model_dir, cfg, total=2, accelerator=accelerator)
     before = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
     loss_sum = torch.zeros(())
     batch = family.collate([data.samples[0].variants[0]])
@@ -151,10 +146,7 @@ def test_the_direct_step_is_accelerates_step_bit_for_bit(prepared) -> None:
     import copy
 
     family, cfg, model_dir, data = prepared
-    swap = resolve_swap(family, cfg, model_dir)
-    trainable = family.load_trainable(model_dir, cfg, torch.device("cpu"), torch.float32, swap)
-    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), swap=swap, total=4,
-                                 out=lambda s: None)
+    session, trainable = tiny_session(family, model_dir, cfg, total=4)
     assert session.direct and loop.steps_directly(session.accelerator)
     batch = family.collate([data.samples[0].variants[0]])
     loop.step(session, loop.simple_micros([batch], torch.Generator().manual_seed(0)), torch.zeros(()))  # some state

@@ -28,6 +28,7 @@ from imglora.families.flux2 import model as f2
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -83,8 +84,7 @@ def reference_loss(pipe, transformer, x0: torch.Tensor, noise: torch.Tensor, sig
 
 def test_the_loss_is_the_pipelines_prediction_of_the_flow(prepared, pipe, monkeypatch) -> None:
     cfg, family, src, entries = prepared
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     entry = entries[0]
     x0 = entry["latents"][None]
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(5))

@@ -24,7 +24,7 @@ from imglora.errors import ImgloraError
 from imglora.families import registry
 from imglora.families._shared import flow_matching
 from imglora.models.resolve import resolve_model
-from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,8 +84,7 @@ def test_the_loss_is_flux_kontext_pipelines_input_and_target(tmp_path: Path, mon
 
     pipe = FluxKontextPipeline.from_pretrained(src.root)
     own_module(pipe.vae)  # in aligned memory, as imglora holds it (see tests/commands/test_evaluate.py)
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     pipe.transformer = trainable.model.eval()
     # The pipeline's own encoding of the source image fitted to the bucket (its preprocess, its VAE
     # call, its packing and ids), and of the target as the cache holds it.

@@ -16,7 +16,7 @@ from imglora.family import text_length
 from imglora.families import registry
 from imglora.families.flux import model as flux_model
 from imglora.models.resolve import resolve_model
-from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,8 +58,7 @@ def test_t5_reads_its_mask_and_the_mask_keys_the_text_cache(small_run) -> None:
 def test_the_masked_loss_is_kohyas_and_ignores_the_padding(small_run, monkeypatch) -> None:
     family, src, plan, entry = cached(config(small_run, "flux.apply_t5_attn_mask=true"))
     cfg = config(small_run, "flux.apply_t5_attn_mask=true")
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     batch = {k: v[None] for k, v in entry.items()}
 
     def loss(b):
@@ -106,8 +105,7 @@ def test_the_export_header_and_the_evaluation_say_the_mask_was_used(small_run) -
     assert registry.get("chroma").export_metadata(load_config(REPO / "presets" / "tiny-chroma.toml"),
                                                   {})["ss_apply_t5_attn_mask"] is True
     # The evaluation samples as trained: every transformer call gets the prompt's mask.
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     seen = []
 
     def sample(embeds, seed):  # stands in for the pipeline: one transformer call, what it was given recorded

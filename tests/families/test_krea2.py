@@ -26,7 +26,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.krea2 import model as k2
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
-from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -75,8 +75,7 @@ def test_captions_are_the_pipelines_real_tokens_and_latents_the_training_scripts
 
 def test_the_loss_is_the_pipelines_step_on_its_padded_layout(prepared, pipe, monkeypatch) -> None:
     cfg, family, src, entries = prepared
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     entry = entries[0]
     lat = entry["latents"][None]
     _, c, h, w = lat.shape

@@ -23,6 +23,7 @@ from imglora.families.qwen_image import model as qwen_model
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,8 +106,7 @@ def test_captions_are_the_pipelines_embeddings_and_latents_the_training_scripts(
 def test_the_loss_is_the_transformers_prediction_as_the_pipeline_calls_it(prepared, pipe, monkeypatch) -> None:
     cfg, family, src, entries = prepared
     entry = entries[0]
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     lat = entry["latents"][None]
     _, c, h, w = lat.shape
     x0 = pipe._pack_latents(lat, 1, c, h, w)  # QwenImagePipeline's packing
@@ -155,8 +155,7 @@ def test_captions_of_other_lengths_are_padded_and_masked(prepared) -> None:
     assert "prompt_mask" not in family.collate([a, a])  # equal lengths: no mask (the unmasked kernels)
     # Each sample's prediction in the padded batch is its prediction alone (the mask hides the padding):
     # the same math in batches of other shapes (float32 rounding: 1e-5).
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     _, _, h, w = batch["latents"].shape
     packed = flow_matching.pack_latents(batch["latents"])
 

@@ -26,7 +26,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.qwen_image21 import model as q21
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
-from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -96,8 +96,7 @@ def test_the_loss_is_the_pipelines_step(prepared, pipe, monkeypatch) -> None:
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
     cfg, family, src, entries = prepared
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     entry = entries[0]
     lat = entry["latents"][None]
     _, c, h, w = lat.shape
@@ -135,8 +134,7 @@ def test_captions_of_other_lengths_train_in_one_batch_with_a_mask(prepared) -> N
     batch = family.collate([a, b])
     assert batch["prompt_embeds"].shape[1] == a["prompt_embeds"].shape[0]
     assert batch["prompt_mask"].tolist()[1] == [True] * (a["prompt_embeds"].shape[0] - 3) + [False] * 3
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     loss = trainable.loss(batch, torch.Generator().manual_seed(0))
     assert loss.ndim == 0 and torch.isfinite(loss)
 

@@ -25,7 +25,7 @@ from imglora.families._shared import flow_matching
 from imglora.families.qwen_image_edit import model as edit_model
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
-from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 from resume_exact import assert_resumes_exactly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,8 +162,7 @@ def test_the_loss_is_the_transformers_prediction_as_the_edit_pipeline_calls_it(p
     cfg, family, src, the_plan, _ = plus
     samples = cache.load_samples(cfg, family, src, "cpu", the_plan)
     entry = next(s.variants[0] for s in samples if s.variants[0]["control_latents"].shape[0] == 2)
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     encoders = family.load_text_encoders(src, torch.device("cpu"), torch.float32)
     pipe = pipeline("qwen_image_edit_plus", src, encoders)
     lat = entry["latents"][None]

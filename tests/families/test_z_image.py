@@ -26,6 +26,7 @@ from imglora.families.z_image import model as z_model
 from imglora.models.resolve import resolve_model
 from imglora.util.owned import own_module
 from imglora.memory.wrap import resolve_swap
+from loading import load_tiny
 import family_runs as fr
 from resume_exact import assert_resumes_exactly
 
@@ -87,8 +88,7 @@ def reference_loss(transformer, x0: torch.Tensor, noise: torch.Tensor, sigma: to
 
 def test_the_loss_is_the_pipelines_prediction_of_the_flow(prepared, monkeypatch) -> None:
     cfg, family, src, entries = prepared
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     entry = entries[0]
     x0 = entry["latents"][None]
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(5))
@@ -120,8 +120,7 @@ def test_captions_of_other_lengths_are_padded_and_each_sample_sees_its_own(prepa
     assert batch["prompt_embeds"].shape == (2, n, a["prompt_embeds"].shape[1])
     assert batch["prompt_mask"].tolist() == [[i < e["prompt_embeds"].shape[0] for i in range(n)] for e in (a, b)]
     assert "prompt_mask" not in family.collate([a, a])
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
+    trainable = load_tiny(family, src, cfg)
     noise = torch.randn(2, *a["latents"].shape, generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.3, 0.7])
 

@@ -14,7 +14,7 @@ from imglora.commands.common import family_of, load_config
 from imglora.errors import ImgloraError
 from imglora.memory import attention
 from imglora.models.resolve import resolve_model
-from imglora.memory.wrap import resolve_swap
+from loading import tiny_session
 
 REPO = Path(__file__).resolve().parents[2]
 MATH = "aten::_scaled_dot_product_attention_math"
@@ -25,10 +25,7 @@ def _session(*overrides: str) -> tuple[loop.Session, dict[str, torch.Tensor]]:
     cfg = load_config(REPO / "presets" / "tiny-flux.toml", ["memory.blocks_to_swap=0", *overrides])
     family = family_of(cfg)
     src = resolve_model(cfg.model, family)
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
-    s = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), swap=swap, total=4,
-                                 out=lambda s: None)
+    s, trainable = tiny_session(family, src, cfg, total=4)
     torch.manual_seed(0)
     return s, family.synthetic_batch(trainable, 64, cfg, torch.device("cpu"))
 

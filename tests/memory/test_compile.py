@@ -20,7 +20,7 @@ from imglora.commands.train import train
 from imglora.errors import ConfigError, ImgloraError
 from imglora.memory import compile as compiled
 from imglora.models.resolve import resolve_model
-from imglora.memory.wrap import resolve_swap
+from loading import tiny_session
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,10 +29,7 @@ def _session(preset: str, *overrides: str) -> loop.Session:
     cfg = load_config(REPO / "presets" / f"{preset}.toml", list(overrides))
     family = family_of(cfg)
     src = resolve_model(cfg.model, family)
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
-    return loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), swap=swap, total=4,
-                                 out=lambda s: None)
+    return tiny_session(family, src, cfg, total=4)[0]
 
 
 def test_the_fp8_forward_for_graphs_is_quantos_math() -> None:

@@ -16,7 +16,7 @@ from imglora.commands.common import family_of, load_config
 from imglora.errors import ImgloraError
 from imglora.plan.meter import LiveBytes, held_bytes
 from imglora.models.resolve import resolve_model
-from imglora.memory.wrap import resolve_swap
+from loading import tiny_session
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,10 +25,7 @@ def measured_peak(cfg) -> int:
     """Peak tensor bytes over three real training updates on the CPU (training.step.measured_peak)."""
     family = family_of(cfg)
     src = resolve_model(cfg.model, family)
-    swap = resolve_swap(family, cfg, src)
-    trainable = family.load_trainable(src, cfg, torch.device("cpu"), torch.float32, swap)
-    session = loop.build_session(cfg, family, trainable, loop.accelerator_for(cfg), swap=swap, total=10,
-                                 out=lambda s: None)
+    session, trainable = tiny_session(family, src, cfg, total=10)
     return loop.measured_peak(session, family.synthetic_batch(trainable, cfg.data.resolution, cfg,
                                                               torch.device("cpu")))
 

@@ -400,6 +400,32 @@ def diffusers_sampler(family: Any, src: "ModelSource", model: torch.nn.Module, c
 BUILD_ON_DEVICE = {"cuda"}
 
 
+def trainable_members(module: Any) -> tuple[Callable[..., Any], ...]:
+    """``load_trainable``, ``full_trainable``, ``meta_trainable`` and ``synthetic_batch`` for a family
+    class whose ``model.py`` (``module``) has the streamed families' shape:
+    ``load_trainable(src, cfg, device, dtype, layout, quantize_exclude)``,
+    ``full_trainable(cfg, dtype, layout, device, family)``, ``meta_trainable(root, cfg, dtype)`` and
+    ``synthetic_batch(trainable, resolution, cfg, device)``. A family assigns them in its class body,
+    as it borrows ``prepare_data``."""
+
+    def load_trainable(self: Any, src: "ModelSource", cfg: "Config", device: torch.device, dtype: torch.dtype,
+                       swap: "SwapLayout") -> Any:
+        return module.load_trainable(src, cfg, device, dtype, swap, self.quantize_exclude)
+
+    def full_trainable(self: Any, cfg: "Config", dtype: torch.dtype, swap: "SwapLayout",
+                       device: torch.device | None = None) -> Any:
+        return module.full_trainable(cfg, dtype, swap, device, self)
+
+    def meta_trainable(self: Any, src: "ModelSource | None", cfg: "Config", dtype: torch.dtype) -> Any:
+        return module.meta_trainable(src.root if src is not None else None, cfg, dtype)
+
+    def synthetic_batch(self: Any, trainable: Any, resolution: int, cfg: "Config",
+                        device: torch.device) -> dict[str, torch.Tensor]:
+        return module.synthetic_batch(trainable, resolution, cfg, device)
+
+    return load_trainable, full_trainable, meta_trainable, synthetic_batch
+
+
 def builds_on_device(device: torch.device | None) -> bool:
     """Whether ``full_trainable`` makes the model on ``device`` part by part (CUDA) rather than whole
     on the host."""

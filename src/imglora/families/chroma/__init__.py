@@ -26,7 +26,6 @@ from . import comfyui, model, singlefile, tiny
 from .config import ChromaConfig
 
 if TYPE_CHECKING:
-    from ...memory.swap import SwapLayout
     from ...models.source import ModelSource
 
 
@@ -110,19 +109,7 @@ class ChromaFamily:
         return {"T5": (len(encoders[0](caption).input_ids), max_length)}
 
     # -- training ---------------------------------------------------------------------------
-    def load_trainable(self, src: "ModelSource", cfg: Any, device: torch.device, dtype: torch.dtype,
-                       swap: "SwapLayout") -> Any:
-        return model.load_trainable(src, cfg, device, dtype, swap, self.quantize_exclude)
-
-    def full_trainable(self, cfg: Any, dtype: torch.dtype, swap: "SwapLayout",
-                       device: torch.device | None = None) -> Any:
-        return model.full_trainable(cfg, dtype, swap, device, self)
-
-    def meta_trainable(self, src: "ModelSource | None", cfg: Any, dtype: torch.dtype) -> Any:
-        return model.meta_trainable(src.root if src is not None else None, cfg, dtype)
-
-    def synthetic_batch(self, trainable: Any, resolution: int, cfg: Any, device: torch.device) -> dict[str, torch.Tensor]:
-        return model.synthetic_batch(trainable, resolution, cfg, device)
+    load_trainable, full_trainable, meta_trainable, synthetic_batch = common.trainable_members(model)
 
     # -- block swapping: FLUX.1's block lists, kohya's count -------------------------------------
     def block_counts(self, src: "ModelSource") -> list[int]:
