@@ -96,7 +96,9 @@ def measure(phase: str, folder: Path, device: str) -> dict:
 
     from imglora.commands.common import load_config
     from imglora.families import registry
+    from imglora.families._shared import stream
     from imglora.families.flux import singlefile
+    from imglora.memory.swap import NO_SWAP
     from imglora.memory.fp8 import quantize_fp8, weight_bytes
     from imglora.models.source import ModelSource
 
@@ -122,7 +124,10 @@ def measure(phase: str, folder: Path, device: str) -> dict:
                 to_device(model, dev)
             facts = {}
         else:
-            model, facts = singlefile.load_transformer(src, cfg, torch.bfloat16, dev, set(), family.quantize_exclude)
+            model, facts = stream.load_transformer(src, cfg, torch.bfloat16, dev, NO_SWAP, family.quantize_exclude,
+                                                   model_class="FluxTransformer2DModel",
+                                                   file_reader=singlefile.load_flux_transformer,
+                                                   blocks=singlefile.BLOCKS)
         if dev.type == "cuda":
             torch.cuda.synchronize()
     seconds = time.perf_counter() - t

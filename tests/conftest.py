@@ -42,7 +42,9 @@ def pytest_runtest_setup(item):
     so the cyclic collector never walks it again. What lives that long (torch, diffusers, transformers,
     the test modules, the session's fixtures) is most of the heap; without this every full collection
     walks all of it: about 0.25 s each, and imglora runs one each time it drops a model
-    (util.devices.free), several per tiny run. A cycle made later is still collected as before."""
+    (util.devices.free), several per tiny run. A cycle made later is still collected as before; one
+    alive at a freeze and dropped later is not (refcounted objects are freed as ever): the collection
+    before each freeze keeps that to what a module leaves alive past its end."""
     import gc
 
     if item.module is not _frozen_for[0]:

@@ -16,6 +16,7 @@ from imglora.commands.common import family_of, load_config
 from imglora.errors import ImgloraError
 from imglora.plan.meter import LiveBytes, held_bytes
 from imglora.models.resolve import resolve_model
+from imglora.memory.wrap import resolve_swap
 from loading import tiny_session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,9 +117,30 @@ def test_a_vram_budget_refuses_a_setting_that_does_not_fit_and_names_the_change_
     strict = cfg.replace(memory={"vram_budget": budget})
     with pytest.raises(ImgloraError, match=r"memory.vram_budget = .* The smallest change that fits: "
                                            r"memory.blocks_to_swap = [3-6] \(predicted peak"):
-        plan_budget.check_at_start(strict, family, src, "cpu", lines.append)
+        plan_budget.check_at_start(strict, family, src, resolve_swap(family, strict, src), "cpu", lines.append)
     assert lines and lines[0].startswith("memory plan: peak allocated")
-    assert plan_budget.check_at_start(cfg, family, src, "cpu", lines.append) is None  # CPU, no budget: no plan
+    assert plan_budget.check_at_start(cfg, family, src, resolve_swap(family, cfg, src), "cpu",
+                                      lines.append) is None  # CPU, no budget: no plan
+
+
+def test_the_presets_own_per_list_counts_are_its_setting() -> None:
+    """[flux] double_blocks_to_swap / single_blocks_to_swap set the blocks per list directly: the plan
+    (and train's check at its start, and doctor) plans exactly those, not memory.blocks_to_swap's split."""
+    cfg = load_config(REPO / "presets" / "tiny-flux.toml", ["memory.blocks_to_swap=0", "flux.double_blocks_to_swap=2",
+                                                            "flux.single_blocks_to_swap=4"])
+    family = family_of(cfg)
+    src = resolve_model(cfg.model, family)
+    own = plan.own_setting(cfg, family, plan.preset_swap(family, cfg, src))
+    assert own == plan.Setting("fp8", 0, (2, 4)) and own.name == "fp8:2+4"
+    kohya = load_config(REPO / "presets" / "tiny-flux.toml", ["memory.blocks_to_swap=4"])
+    assert plan.own_setting(kohya, family, plan.preset_swap(family, kohya, src)) == plan.Setting("fp8", 4)
+    assert plan.preset_swap(family, cfg, None).lengths == (19, 38)  # no model: the architecture imglora ships
+    p = plan.predict(cfg, family, [own, plan.Setting("fp8", 4), plan.Setting("fp8", 0)], device_kind="cuda",
+                     src=src).settings
+    # kohya's 4 is 2 double + 4 single blocks: the same layout, so the same plan; 0 swaps nothing
+    assert p[0].device_peak == p[1].device_peak and p[0].term("host_swapped") == p[1].term("host_swapped") > 0
+    assert p[2].term("host_swapped") == 0
+    assert p[2].term("weights_resident_blocks") > p[0].term("weights_resident_blocks")
 
 
 def test_the_meter_counts_new_storage_not_views_of_old() -> None:

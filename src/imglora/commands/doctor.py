@@ -184,7 +184,7 @@ def _preset(r: Report, preset: str, overrides: tuple[str, ...], gpus: list[dict[
         r.add("model", f"{cfg.model.path}: NOT on this machine")
         r.problems.append(f"the model is not on disk: {exc}")
     cuda = bool(gpus)
-    setting = plan.Setting(plan.precision_of(cfg), cfg.memory.blocks_to_swap)
+    setting = plan.own_setting(cfg, family, plan.preset_swap(family, cfg, src))
     p = plan.predict(cfg, family, [setting], device_kind="cuda" if cuda else "cpu", src=src,
                      process_rss=psutil.Process().memory_info().rss).settings[0]
     available = psutil.virtual_memory().available

@@ -36,13 +36,13 @@ def default_settings(cfg: "Config", family: Any, src: "ModelSource | None", fp8_
     unswapped."""
     from ..family import Swappable, supports
 
-    own = plan.Setting(plan.precision_of(cfg), cfg.memory.blocks_to_swap)
+    own = plan.own_setting(cfg, family, plan.preset_swap(family, cfg, src))
     out = [own]
     swaps: tuple[int, ...] = (0,)
     if supports(family, Swappable):
         trainable_lengths = _block_lengths(family, src, cfg)
         swaps = tuple(n for n in SWEEP if plan_budget.valid_swap(family, trainable_lengths, cfg, n))
-    extra = [plan.Setting(p, own.blocks) for p in ("fp8f", "fp8c") if p == "fp8f" or fp8_cores] \
+    extra = [plan.Setting(p, own.blocks, own.counts) for p in ("fp8f", "fp8c") if p == "fp8f" or fp8_cores] \
         if own.blocks in swaps else []
     for s in [plan.Setting("fp8", n) for n in swaps] + extra + [plan.Setting("model", 0)]:
         if s not in out:

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 
 from ..errors import ImgloraError
-from .predict import GiB, Profile, Setting, fmt, needed_vram, one_line, precision_of, predict
+from .predict import GiB, Profile, Setting, fmt, needed_vram, one_line, own_setting, precision_of, predict
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..memory.swap import SwapLayout
     from ..models.source import ModelSource
 
 
@@ -26,10 +27,11 @@ def valid_swap(family: Any, lengths: list[int], cfg: "Config", n: int) -> bool:
         return False
 
 
-def check_at_start(cfg: "Config", family: Any, src: "ModelSource", device_kind: str,
+def check_at_start(cfg: "Config", family: Any, src: "ModelSource", swap: "SwapLayout", device_kind: str,
                    out: Callable[[str], None]) -> dict[str, Any] | None:
-    """Print the preset's predicted peak; with ``memory.vram_budget``, refuse a setting predicted not
-    to fit, naming the smallest change that does. Returns the prediction for the run record."""
+    """Print the preset's predicted peak (``swap``: the layout the run resolved); with
+    ``memory.vram_budget``, refuse a setting predicted not to fit, naming the smallest change that
+    does. Returns the prediction for the run record."""
     from ..family import Benchable, Plannable, supports
 
     budget = cfg.memory.vram_budget
@@ -37,14 +39,14 @@ def check_at_start(cfg: "Config", family: Any, src: "ModelSource", device_kind: 
         return None
     if device_kind != "cuda" and not budget:
         return None  # a CPU run: tensors are small and the plan would cost more than it tells
-    own = Setting(precision_of(cfg), cfg.memory.blocks_to_swap)
+    own = own_setting(cfg, family, swap)
     profiles: dict[Any, Profile] = {}
     p = predict(cfg, family, [own], device_kind="cuda", src=src, profiles=profiles).settings[0]
     out(one_line(p, "cuda"))
     facts = {"device_peak_bytes": p.device_peak, "host_peak_bytes": p.host_peak,
              "terms": {t.key: t.bytes for t in p.terms}}
     if budget and needed_vram(p.device_peak) > budget * GiB:
-        change = smallest_change(cfg, family, src, budget * GiB, profiles)
+        change = smallest_change(cfg, family, src, own, budget * GiB, profiles)
         raise ImgloraError(
             f"memory.vram_budget = {budget:g} GiB, but this setting is predicted to need "
             f"{fmt(needed_vram(p.device_peak))} GiB (peak allocated {fmt(p.device_peak)} GiB + "
@@ -55,7 +57,7 @@ def check_at_start(cfg: "Config", family: Any, src: "ModelSource", device_kind: 
     return facts
 
 
-def smallest_change(cfg: "Config", family: Any, src: "ModelSource", budget: int,
+def smallest_change(cfg: "Config", family: Any, src: "ModelSource", own: Setting, budget: int,
                     profiles: dict[Any, Profile]) -> str | None:
     """The first change, least intrusive first, whose prediction fits ``budget`` bytes of card."""
     from ..family import Swappable, supports
@@ -73,9 +75,7 @@ def smallest_change(cfg: "Config", family: Any, src: "ModelSource", budget: int,
                 tries.append((f"memory.blocks_to_swap = {n}", cfg.replace(memory={"blocks_to_swap": n}),
                               Setting(precision, n)))
     if not cfg.memory.fp8:
-        tries.append(("memory.fp8 = true", cfg.replace(memory={"fp8": True}),
-                      Setting("fp8", cfg.memory.blocks_to_swap)))
-    own = Setting(precision, cfg.memory.blocks_to_swap)
+        tries.append(("memory.fp8 = true", cfg.replace(memory={"fp8": True}), Setting("fp8", own.blocks, own.counts)))
     if cfg.train.optimizer == "adamw":
         tries.append(('train.optimizer = "adamw8bit"', cfg.replace(train={"optimizer": "adamw8bit"}), own))
     rank = cfg.lora.rank

@@ -32,6 +32,7 @@ from ..family import option
 if TYPE_CHECKING:
     from ..config import Config
     from ..family import Family
+    from ..memory.swap import SwapLayout
     from ..models.source import ModelSource
 
 GiB = 2**30
@@ -47,10 +48,14 @@ ALLOCATOR_MARGIN = 1.05  # reserved / allocated: the caching allocator's roundin
 class Setting:
     precision: str  # "fp8", "fp8f", "fp8c" (FP8_SETTINGS), a dtype name ("bf16", "fp16", "fp32"), or "model"
     blocks: int  # kohya-style blocks_to_swap
+    # The blocks per list a preset swaps where its family's own keys set them directly (FLUX's
+    # double_blocks_to_swap / single_blocks_to_swap): then these are swapped, not ``blocks``' split.
+    counts: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.precision}:{self.blocks}"
+        return f"{self.precision}:{'+'.join(map(str, self.counts))}" if self.counts is not None else \
+            f"{self.precision}:{self.blocks}"
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,9 @@ class SettingPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"setting": self.setting.name, "precision": self.setting.precision,
-                "blocks_to_swap": self.setting.blocks, "device_peak_bytes": self.device_peak,
+                "blocks_to_swap": self.setting.blocks,
+                **({"blocks_per_list": list(self.setting.counts)} if self.setting.counts is not None else {}),
+                "device_peak_bytes": self.device_peak,
                 "host_peak_bytes": self.host_peak, "peak_phase": self.peak_phase,
                 "terms": {t.key: t.bytes for t in self.terms},
                 "term_labels": {t.key: t.label for t in self.terms},
@@ -96,6 +103,31 @@ def precision_of(cfg: "Config") -> str:
     """The plan and bench setting name of ``cfg``'s own precision (fp8, fp8f, fp8c or model)."""
     m = cfg.memory
     return ("fp8c" if m.fp8_compute else "fp8f" if m.fp8_fused else "fp8") if m.fp8 else "model"
+
+
+def own_setting(cfg: "Config", family: Any, swap: "SwapLayout") -> Setting:
+    """The preset's own setting, with ``swap`` (the layout its run resolves): where the preset sets
+    the blocks per list itself, the setting carries those counts (kohya's count alone names another
+    layout)."""
+    from ..memory.wrap import resolve_swap
+
+    s = Setting(precision_of(cfg), cfg.memory.blocks_to_swap)
+    if not swap.lists:
+        return s
+    kohya = resolve_swap(family, family.with_blocks_to_swap(cfg, s.blocks), lengths=list(swap.lengths))
+    return s if kohya == swap else Setting(s.precision, s.blocks, swap.counts)
+
+
+def preset_swap(family: Any, cfg: "Config", src: "ModelSource | None") -> "SwapLayout":
+    """The layout ``cfg`` swaps on ``src``'s model, else on the architecture imglora ships."""
+    from ..family import Swappable, supports
+    from ..memory.swap import NO_SWAP
+    from ..memory.wrap import resolve_swap
+
+    if not supports(family, Swappable):
+        return NO_SWAP
+    return resolve_swap(family, cfg, src) if src is not None else \
+        resolve_swap(family, cfg, lengths=family.full_block_counts(cfg))
 
 
 def needed_vram(device_peak: int) -> int:
@@ -285,8 +317,12 @@ def predict(cfg: "Config", family: "Family", settings: list[Setting], *, device_
         model = prof.model
         quantized = set(would_quantize(model, family.quantize_exclude)) if s.precision in FP8_SETTINGS else set()
 
-        swap_cfg = family.with_blocks_to_swap(cfg, s.blocks) if supports(family, Swappable) else cfg
-        plan_ = resolve_swap(family, swap_cfg, model=model).masks()
+        swap_cfg = family.with_blocks_to_swap(cfg, s.blocks) if supports(family, Swappable) and s.counts is None \
+            else cfg  # (a setting with its own counts is the preset's: cfg swaps exactly those)
+        layout = resolve_swap(family, swap_cfg, model=model)
+        if s.counts is not None and layout.counts != s.counts:
+            raise RuntimeError(f"{s.name}: the preset swaps {layout.counts} blocks per list on this model")
+        plan_ = layout.masks()
         if s.blocks and not plan_:
             raise ImgloraError(f"the {family.name} family has no swappable blocks; use 0 blocks")
         resident = swapped = 0

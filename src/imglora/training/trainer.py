@@ -94,7 +94,7 @@ def train(cfg: "Config", family: "Family", families: Any, *, resume_run: bool, c
         from ..memory.compile import require_toolchain
 
         require_toolchain(device)  # before the cache is filled and the model loaded
-    memory_plan = plan_budget.check_at_start(cfg, family, src, device.type, out)  # refuses before loading when it cannot fit
+    memory_plan = plan_budget.check_at_start(cfg, family, src, swap, device.type, out)  # refuses before loading when it cannot fit
     rec = record.RunRecord("train", run_dir, cfg.to_dict())
     rec.main = main  # only the main process writes the record
     t_setup = time.perf_counter()

@@ -38,8 +38,8 @@ def full_trainable(cfg: Any, dtype: torch.dtype, layout: "SwapLayout", device: t
     """The real FLUX.1-dev transformer architecture (12B) with random weights, for benchmarks.
 
     On CUDA the weights are made on the GPU block by block, each block quantized there with
-    ``memory.fp8`` and moved to the host right away if ``cfg`` swaps it
-    (``diffusers_image.random_on_device``; ``family`` gives the exclusions and the swap split).
+    ``memory.fp8`` and moved to the host right away if ``layout`` swaps it
+    (``diffusers_image.random_on_device``; ``family`` gives the exclusions).
     Elsewhere the whole model is made on the host, as before, and quantized and placed later."""
     from diffusers import FluxTransformer2DModel
 
