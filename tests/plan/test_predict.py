@@ -141,6 +141,10 @@ def test_the_presets_own_per_list_counts_are_its_setting() -> None:
     assert p[0].device_peak == p[1].device_peak and p[0].term("host_swapped") == p[1].term("host_swapped") > 0
     assert p[2].term("host_swapped") == 0
     assert p[2].term("weights_resident_blocks") > p[0].term("weights_resident_blocks")
+    # a budget the preset's own 2+4 misses: the count that fits replaces the per-list keys, and says so
+    change = plan_budget.smallest_change(cfg, family, src, own, plan.needed_vram(p[0].device_peak) - 1, {})
+    assert change is not None and change.startswith("memory.blocks_to_swap = ") and \
+        "in place of the preset's own blocks per list (predicted peak" in change, change
 
 
 def test_the_meter_counts_new_storage_not_views_of_old() -> None:

@@ -70,9 +70,11 @@ def smallest_change(cfg: "Config", family: Any, src: "ModelSource", own: Setting
     tries: list[tuple[str, "Config", Setting]] = []
     if supports(family, Swappable):
         lengths = family.block_counts(src)
+        # (a preset that sets its blocks per list itself is told that the count replaces them)
+        instead = " in place of the preset's own blocks per list" if own.counts is not None else ""
         for n in range(cfg.memory.blocks_to_swap + 1, 2 * sum(lengths) + 2):
             if valid_swap(family, lengths, cfg, n):
-                tries.append((f"memory.blocks_to_swap = {n}", cfg.replace(memory={"blocks_to_swap": n}),
+                tries.append((f"memory.blocks_to_swap = {n}{instead}", family.with_blocks_to_swap(cfg, n),
                               Setting(precision, n)))
     if not cfg.memory.fp8:
         tries.append(("memory.fp8 = true", cfg.replace(memory={"fp8": True}), Setting("fp8", own.blocks, own.counts)))
