@@ -16,7 +16,7 @@ from imglora.commands.common import family_of, load_config
 from imglora.errors import ImgloraError
 from imglora.plan.meter import LiveBytes, held_bytes
 from imglora.models.resolve import resolve_model
-from imglora.memory.wrap import resolve_swap
+from imglora.memory.wrap import preset_swap, resolve_swap
 from loading import tiny_session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,11 +130,11 @@ def test_the_presets_own_per_list_counts_are_its_setting() -> None:
                                                             "flux.single_blocks_to_swap=4"])
     family = family_of(cfg)
     src = resolve_model(cfg.model, family)
-    own = plan.own_setting(cfg, family, plan.preset_swap(family, cfg, src))
+    own = plan.own_setting(cfg, family, preset_swap(family, cfg, src))
     assert own == plan.Setting("fp8", 0, (2, 4)) and own.name == "fp8:2+4"
     kohya = load_config(REPO / "presets" / "tiny-flux.toml", ["memory.blocks_to_swap=4"])
-    assert plan.own_setting(kohya, family, plan.preset_swap(family, kohya, src)) == plan.Setting("fp8", 4)
-    assert plan.preset_swap(family, cfg, None).lengths == (19, 38)  # no model: the architecture imglora ships
+    assert plan.own_setting(kohya, family, preset_swap(family, kohya, src)) == plan.Setting("fp8", 4)
+    assert preset_swap(family, cfg, None).lengths == (19, 38)  # no model: the architecture imglora ships
     p = plan.predict(cfg, family, [own, plan.Setting("fp8", 4), plan.Setting("fp8", 0)], device_kind="cuda",
                      src=src).settings
     # kohya's 4 is 2 double + 4 single blocks: the same layout, so the same plan; 0 swaps nothing

@@ -316,8 +316,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
     from ..training import step as loop
     from ..runs import record, telemetry
     from ..memory.fp8 import weight_bytes
-    from ..memory.swap import NO_SWAP
-    from ..memory.wrap import resolve_swap
+    from ..memory.wrap import preset_swap, resolve_swap
     from ..models.resolve import resolve_model
     from ..family import Swappable, supports
     from .common import family_of, load_config
@@ -353,8 +352,7 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["arch"] == "full":
             # On CUDA made there block by block (quantized, swapped blocks sent to the host) rather
             # than whole on the host: minutes per setting less for FLUX.1's 12B.
-            swap = resolve_swap(family, cfg, lengths=family.full_block_counts(cfg)) if supports(family, Swappable) \
-                else NO_SWAP
+            swap = preset_swap(family, cfg, None)
             trainable = family.full_trainable(cfg, dtype, swap, device)
             data_source = "synthetic"
             if "full_build" in trainable.facts:

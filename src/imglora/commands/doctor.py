@@ -169,6 +169,7 @@ def _bandwidth(r: Report, seconds: float = 1.0) -> None:
 def _preset(r: Report, preset: str, overrides: tuple[str, ...], gpus: list[dict[str, Any]]) -> None:
     import psutil
 
+    from ..memory.wrap import preset_swap
     from ..plan import predict as plan
     from ..errors import ImgloraError
     from ..models.resolve import resolve_model
@@ -184,7 +185,7 @@ def _preset(r: Report, preset: str, overrides: tuple[str, ...], gpus: list[dict[
         r.add("model", f"{cfg.model.path}: NOT on this machine")
         r.problems.append(f"the model is not on disk: {exc}")
     cuda = bool(gpus)
-    setting = plan.own_setting(cfg, family, plan.preset_swap(family, cfg, src))
+    setting = plan.own_setting(cfg, family, preset_swap(family, cfg, src))
     p = plan.predict(cfg, family, [setting], device_kind="cuda" if cuda else "cpu", src=src,
                      process_rss=psutil.Process().memory_info().rss).settings[0]
     available = psutil.virtual_memory().available

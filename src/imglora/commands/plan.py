@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..util import atomic
+from ..memory.wrap import preset_swap
 from ..plan import predict as plan, budget as plan_budget
 from ..errors import ImgloraError
 
@@ -36,23 +37,18 @@ def default_settings(cfg: "Config", family: Any, src: "ModelSource | None", fp8_
     unswapped."""
     from ..family import Swappable, supports
 
-    own = plan.own_setting(cfg, family, plan.preset_swap(family, cfg, src))
+    layout = preset_swap(family, cfg, src)
+    own = plan.own_setting(cfg, family, layout)
     out = [own]
     swaps: tuple[int, ...] = (0,)
     if supports(family, Swappable):
-        trainable_lengths = _block_lengths(family, src, cfg)
-        swaps = tuple(n for n in SWEEP if plan_budget.valid_swap(family, trainable_lengths, cfg, n))
+        swaps = tuple(n for n in SWEEP if plan_budget.valid_swap(family, list(layout.lengths), cfg, n))
     extra = [plan.Setting(p, own.blocks, own.counts) for p in ("fp8f", "fp8c") if p == "fp8f" or fp8_cores] \
         if own.blocks in swaps else []
     for s in [plan.Setting("fp8", n) for n in swaps] + extra + [plan.Setting("model", 0)]:
         if s not in out:
             out.append(s)
     return out
-
-
-def _block_lengths(family: Any, src: "ModelSource | None", cfg: "Config") -> list[int]:
-    """Blocks per swappable list of ``src``'s model, else of the architecture imglora ships."""
-    return family.block_counts(src) if src is not None else family.full_block_counts(cfg)
 
 
 def parse_settings(text: str) -> list[plan.Setting]:

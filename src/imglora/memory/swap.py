@@ -144,19 +144,13 @@ class SwapLayout:
     def check(self, model: nn.Module) -> None:
         """Refuse a model whose block lists are not the ones this layout was computed for (a layout
         is computed from the model's config before loading; the loaded model must agree)."""
-        found = tuple(len(_attribute(model, name)) for name in self.lists)
+        found = tuple(len(model.get_submodule(name)) for name in self.lists)
         if found != self.lengths:
             raise RuntimeError(f"the swap layout was computed for block lists {dict(zip(self.lists, self.lengths))}, "
                                f"but the model has {dict(zip(self.lists, found))}")
 
 
 NO_SWAP = SwapLayout()
-
-
-def _attribute(model: nn.Module, path: str) -> Any:
-    for part in path.split("."):
-        model = getattr(model, part)
-    return model
 
 
 # ---------------------------------------------------------------------------------------- engine

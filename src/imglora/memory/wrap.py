@@ -55,12 +55,21 @@ def resolve_swap(family: Any, cfg: Any, src: "ModelSource | None" = None, *, mod
     if not lists:
         return NO_SWAP
     if lengths is None and model is not None:
-        lengths = [len(getattr(model, name)) for name in lists]
+        lengths = [len(model.get_submodule(name)) for name in lists]
     elif lengths is None and src is not None:
         lengths = list(family.block_counts(src))
     elif lengths is None:
         raise TypeError("resolve_swap needs the model source, a built model or the block counts")
     return SwapLayout(lists, tuple(lengths), tuple(family.swap_counts(list(lengths), cfg)))
+
+
+def preset_swap(family: Any, cfg: Any, src: "ModelSource | None") -> SwapLayout:
+    """The layout ``cfg`` swaps on ``src``'s model, else (``src`` None: planning before a download,
+    ``bench-swap --arch full``) on the full-size architecture imglora ships (``full_block_counts``)."""
+    if not supports(family, Swappable):
+        return NO_SWAP
+    return resolve_swap(family, cfg, src) if src is not None else \
+        resolve_swap(family, cfg, lengths=family.full_block_counts(cfg))
 
 
 def apply_memory(model: nn.Module, family: Any, cfg: Any, device: torch.device, swap: SwapLayout,
@@ -132,7 +141,7 @@ def _placed(model: nn.Module, family: Any, cfg: Any, device: torch.device, swap:
 
     blocks, mask = [], []
     for name, block_mask in plan:
-        blocks += list(getattr(model, name))
+        blocks += list(model.get_submodule(name))
         mask += block_mask
     depth = cfg.memory.swap_prefetch
     tuner = prefetch_tuner(cfg, device, setup, out)

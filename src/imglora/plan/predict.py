@@ -118,18 +118,6 @@ def own_setting(cfg: "Config", family: Any, swap: "SwapLayout") -> Setting:
     return s if kohya == swap else Setting(s.precision, s.blocks, swap.counts)
 
 
-def preset_swap(family: Any, cfg: "Config", src: "ModelSource | None") -> "SwapLayout":
-    """The layout ``cfg`` swaps on ``src``'s model, else on the architecture imglora ships."""
-    from ..family import Swappable, supports
-    from ..memory.swap import NO_SWAP
-    from ..memory.wrap import resolve_swap
-
-    if not supports(family, Swappable):
-        return NO_SWAP
-    return resolve_swap(family, cfg, src) if src is not None else \
-        resolve_swap(family, cfg, lengths=family.full_block_counts(cfg))
-
-
 def needed_vram(device_peak: int) -> int:
     """What a card must have for a run whose allocated peak is ``device_peak``."""
     return int(device_peak * ALLOCATOR_MARGIN) + CUDA_CONTEXT

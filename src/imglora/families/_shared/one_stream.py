@@ -1,7 +1,8 @@
 """What the families whose transformer has one list of blocks and reads captions of their own length
 share (Qwen-Image, Z-Image's main blocks, Krea 2, Qwen-Image 2.1): the block count from the model's
-config, the swap count checked against the list, a batch of captions of other lengths padded with a mask, the dynamic shift read from the
-model's scheduler config, and the export of the transformer's modules under diffusers' own names."""
+config, the swap count checked against the list, a batch of captions of other lengths padded with a
+mask, the dynamic shift read from the model's scheduler config, and the export of the transformer's
+modules under diffusers' own names."""
 
 from __future__ import annotations
 
